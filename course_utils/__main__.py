@@ -1,0 +1,72 @@
+"""Command line: `python -m course_utils build|check ...`."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from course_utils.build import build, learner_path, root, source_notebooks
+
+
+def find_notebook(lesson: str, solutions: bool = False) -> Path:
+    """A lesson's notebook from its number ('01') or a path."""
+    path = Path(lesson)
+    if path.suffix == ".ipynb":
+        if not path.exists():
+            sys.exit(f"no such notebook: {path}")
+        return path
+    matches = [s for s in source_notebooks() if s.name.startswith(f"{int(lesson):02d}_")] if lesson.isdigit() else []
+    if not matches:
+        sys.exit(f"no lesson {lesson!r}: give a number such as 01, or a path to a notebook")
+    return matches[0] if solutions else learner_path(matches[0])
+
+
+def check(notebook: Path) -> int:
+    """Run nbval over one notebook in check mode and print the exercise scoreboard."""
+    from course_utils.pytest_plugin import scoreboard_lines
+
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        command = [
+            sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-q", "-p", "no:cacheprovider",
+            "--no-header", "-rN", "--tb=no", "--course-report", str(report), str(notebook),
+        ]
+        env = {**os.environ, "COURSE_CHECK_MODE": "1"}
+        result = subprocess.run(command, env=env, capture_output=True, text=True)
+        if not report.exists():
+            print(result.stdout + result.stderr)
+            return result.returncode or 1
+        results = json.loads(report.read_text())
+    print("\n".join(scoreboard_lines(results)) or f"{notebook.name} has no exercises")
+    stopped = [nb["stopped_at"] for nb in results.values() if nb["stopped_at"]]
+    if stopped:
+        print(f"\nA cell that is not an exercise failed ({stopped[0]}), so the checker stopped there.")
+        print(f"Open {notebook} and run it top to bottom to see the full error.")
+    statuses = [v["status"] for nb in results.values() for v in nb["exercises"].values()]
+    return 0 if statuses and all(s == "passed" for s in statuses) and not stopped else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course_utils", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_build = sub.add_parser("build", help="regenerate the learner copies from notebooks/solutions/")
+    p_build.add_argument("lessons", nargs="*", help="lesson numbers (default: all)")
+    p_build.add_argument("--execute", action="store_true", help="re-run each solution notebook first, refreshing its outputs")
+    p_check = sub.add_parser("check", help="check your exercises in one lesson and print a scoreboard")
+    p_check.add_argument("lesson", help="lesson number (01) or a notebook path")
+    p_check.add_argument("--solutions", action="store_true", help="check the solution copy instead of yours")
+    args = parser.parse_args(argv)
+
+    if args.command == "build":
+        sources = [find_notebook(lesson, solutions=True) for lesson in args.lessons] or None
+        for path in build(sources, run=args.execute):
+            print(f"wrote {path.relative_to(root())}")
+        return 0
+    return check(find_notebook(args.lesson, solutions=args.solutions))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Turn each source notebook (the solution copy) into the learner copy.
+
+Source: notebooks/solutions/NN_name.ipynb, with every solution inside a function
+body between `### BEGIN SOLUTION` and `### END SOLUTION`, and a check cell that
+calls `lessonNN.check_<exercise>(...)`. The learner copy, notebooks/NN_name.ipynb,
+has each solution replaced by `raise NotImplementedError`, no outputs, and the
+exercise tags the checker plugin reads.
+"""
+
+import copy
+import re
+from pathlib import Path
+
+import nbformat
+
+BEGIN = "### BEGIN SOLUTION"
+END = "### END SOLUTION"
+CHECK_CALL = re.compile(r"^lesson\d+\.check_(\w+)\(", re.MULTILINE)  # a top-level call; one inside try: is a demo
+DEF = re.compile(r"^def (\w+)\(", re.MULTILINE)
+OWN_TAGS = ("check:", "exercise:")
+SOURCE_ONLY_TAGS = ("nbval-",)  # output checks apply to the solution copy only
+
+
+class BuildError(Exception):
+    """A source notebook breaks the authoring conventions."""
+
+
+def root() -> Path:
+    """The course's top folder."""
+    return Path(__file__).resolve().parent.parent
+
+
+def source_notebooks() -> list[Path]:
+    """Every source (solution) notebook, in lesson order."""
+    return sorted((root() / "notebooks" / "solutions").glob("[0-9][0-9]_*.ipynb"))
+
+
+def learner_path(source: Path) -> Path:
+    """Where the learner copy of a source notebook lives."""
+    return source.parent.parent / source.name
+
+
+def stub(source: str, where: str = "cell") -> str:
+    """Replace each BEGIN/END SOLUTION block with a NotImplementedError stub at the same indent."""
+    out, inside = [], False
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped == BEGIN:
+            if inside:
+                raise BuildError(f"{where}: nested {BEGIN}")
+            indent = line[: len(line) - len(line.lstrip())]
+            if not indent:
+                raise BuildError(f"{where}: a solution must sit inside a function body, so later cells still run")
+            out += [f"{indent}# YOUR CODE HERE", f"{indent}raise NotImplementedError()"]
+            inside = True
+        elif stripped == END:
+            if not inside:
+                raise BuildError(f"{where}: {END} without {BEGIN}")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise BuildError(f"{where}: {BEGIN} is never closed")
+    return "\n".join(out)
+
+
+def solution_blocks(source: str) -> list[str]:
+    """The text of every solution block in a cell (to prove the learner copy lacks it)."""
+    return re.findall(rf"{re.escape(BEGIN)}\n(.*?)\n[ \t]*{re.escape(END)}", source, re.DOTALL)
+
+
+def exercise_tags(cell) -> list[str]:
+    """The tags a code cell should carry: exercise:<name> on solution cells, check:<name> on check cells."""
+    if BEGIN in cell.source:
+        names = DEF.findall(cell.source)
+        if len(names) != 1:
+            raise BuildError(f"a solution cell must define exactly one top-level function, found {names or 'none'}")
+        return [f"exercise:{names[0]}"]
+    checks = CHECK_CALL.findall(cell.source)
+    if len(checks) > 1:
+        raise BuildError(f"one check per cell, found {checks}")
+    return [f"check:{checks[0]}"] if checks else []
+
+
+def tag_source(nb) -> list[str]:
+    """Set the exercise tags on a source notebook in place; return the exercise names in order."""
+    exercises, checked = [], []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            if BEGIN in cell.source:
+                raise BuildError("solution markers belong in code cells only")
+            continue
+        tags = [t for t in cell.metadata.get("tags", []) if not t.startswith(OWN_TAGS)]
+        new = exercise_tags(cell)
+        tags += new
+        if tags:
+            cell.metadata["tags"] = tags
+        else:
+            cell.metadata.pop("tags", None)
+        for tag in new:
+            kind, name = tag.split(":")
+            (exercises if kind == "exercise" else checked).append(name)
+    if sorted(exercises) != sorted(checked):
+        raise BuildError(f"every exercise needs exactly one check cell: exercises {exercises}, checks {checked}")
+    return exercises
+
+
+def learner_copy(nb):
+    """A learner copy of a tagged source notebook: stubs instead of solutions, no outputs."""
+    learner = copy.deepcopy(nb)
+    for i, cell in enumerate(learner.cells):
+        if cell.cell_type != "code":
+            continue
+        cell.source = stub(cell.source, where=f"cell {i}")
+        cell.outputs = []
+        cell.execution_count = None
+        tags = [t for t in cell.metadata.get("tags", []) if not t.startswith(SOURCE_ONLY_TAGS)]
+        cell.metadata = {"tags": tags} if tags else {}
+    learner.metadata.pop("widgets", None)
+    return learner
+
+
+def execute(nb, path: Path) -> None:
+    """Run a notebook top to bottom in its own folder, storing fresh outputs in `nb`."""
+    from nbclient import NotebookClient
+
+    NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        record_timing=False,
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
+
+
+def build(sources: list[Path] | None = None, *, run: bool = False) -> list[Path]:
+    """Tag (and optionally re-execute) each source notebook and write its learner copy."""
+    written = []
+    for source in sources or source_notebooks():
+        nb = nbformat.read(source, as_version=4)
+        tag_source(nb)
+        if run:
+            execute(nb, source)
+        nbformat.write(nb, source)
+        target = learner_path(source)
+        nbformat.write(learner_copy(nb), target)
+        written.append(target)
+    return written

@@ -1,0 +1,49 @@
+"""The course's datasets: UCI digits shipped in data/, and FashionMNIST as an online option."""
+
+import csv
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+ENV_VAR = "COURSE_DATA"
+DIGITS_CLASSES = [str(d) for d in range(10)]
+FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+
+
+def data_dir() -> Path:
+    """The course's data/ folder (COURSE_DATA overrides it)."""
+    override = os.environ.get(ENV_VAR)
+    return Path(override) if override else Path(__file__).resolve().parent.parent / "data"
+
+
+def digits_rows(split: str | None = None) -> list[dict[str, str]]:
+    """Rows of data/digits/labels.csv (filename, label, split), optionally one split only."""
+    if split not in (None, "train", "test"):
+        raise ValueError(f"split must be 'train', 'test' or None, got {split!r}")
+    with open(data_dir() / "digits" / "labels.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [r for r in rows if split is None or r["split"] == split]
+
+
+def load_digits(split: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """All digit images as a uint8 tensor (N, 1, 8, 8) and their labels as int64 (N,)."""
+    rows = digits_rows(split)
+    root = data_dir() / "digits"
+    images = np.stack([np.asarray(Image.open(root / r["filename"])) for r in rows])
+    labels = torch.tensor([int(r["label"]) for r in rows])
+    return torch.from_numpy(images).unsqueeze(1), labels
+
+
+def fashion_mnist(root: str | Path | None = None, *, train: bool = True, download: bool = False, transform=None):
+    """torchvision's FashionMNIST (70,000 28x28 images): the bigger, online option.
+
+    With download=False it reads files already under `root` (data/fashion by default)
+    and never touches the network.
+    """
+    from torchvision.datasets import FashionMNIST
+
+    root = Path(root) if root is not None else data_dir() / "fashion"
+    return FashionMNIST(str(root), train=train, download=download, transform=transform)

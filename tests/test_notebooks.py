@@ -1,0 +1,126 @@
+"""The notebooks as a whole: learner copies in sync with their sources, and the checker's verdicts on them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from course_utils.build import BEGIN, END, learner_copy, learner_path, solution_blocks, source_notebooks, tag_source
+
+SOURCES = source_notebooks()
+IDS = [s.stem for s in SOURCES]
+
+
+def test_every_lesson_has_a_source_and_a_learner_copy():
+    """Lessons 00 and 01 at least, each with both copies."""
+    assert {"00_orientation", "01_tensors"} <= set(IDS)
+    for source in SOURCES:
+        assert learner_path(source).exists(), f"{learner_path(source)} is missing: run `make build`"
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
+def test_learner_copy_is_up_to_date(source):
+    """The committed learner copy is exactly what the build makes from the committed source."""
+    nb = nbformat.read(source, as_version=4)
+    tagged = nbformat.writes(nb)
+    tag_source(nb)
+    assert nbformat.writes(nb) == tagged, f"{source.name}: exercise tags are stale; run `make build`"
+    committed = nbformat.writes(nbformat.read(learner_path(source), as_version=4))
+    assert committed == nbformat.writes(learner_copy(nb)), f"{learner_path(source).name} is out of date with {source.name}: run `make build`"
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
+def test_learner_copy_holds_no_solution(source):
+    """No solution marker and no solution block's text survives in the learner copy."""
+    learner = learner_path(source).read_text()
+    assert BEGIN not in learner and END not in learner
+    nb = nbformat.read(source, as_version=4)
+    blocks = [b for cell in nb.cells if cell.cell_type == "code" for b in solution_blocks(cell.source)]
+    assert blocks, f"{source.name} has no exercises"
+    learner_nb = nbformat.read(learner_path(source), as_version=4)
+    learner_code = "\n".join(c.source for c in learner_nb.cells if c.cell_type == "code")
+    for block in blocks:
+        assert block.strip() not in learner_code, f"solution text leaked into {learner_path(source).name}: {block.strip()[:60]}"
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
+def test_source_outputs_come_from_a_run(source):
+    """Every code cell of a solution copy was executed, in order, with no error output."""
+    nb = nbformat.read(source, as_version=4)
+    counts = [c.execution_count for c in nb.cells if c.cell_type == "code"]
+    assert counts == list(range(1, len(counts) + 1)), f"{source.name}: re-run it with `make notebooks`"
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert not [o for o in cell.outputs if o.output_type == "error"], f"{source.name} has an error output"
+
+
+def test_learner_copies_fail_only_their_check_cells(tmp_path):
+    """nbval over the untouched learner copies: every check 'not attempted', no other cell fails."""
+    report = tmp_path / "report.json"
+    learners = [str(learner_path(s)) for s in SOURCES]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider",
+         "-q", "-rf", "--course-report", str(report), *learners],
+        capture_output=True, text=True, env={**os.environ, "COURSE_CHECK_MODE": "1"},
+    )
+    results = json.loads(report.read_text())
+    failed_lines = [line for line in result.stdout.splitlines() if line.startswith("FAILED")]
+    n_checks = 0
+    for source in SOURCES:
+        assert results[str(learner_path(source))]["stopped_at"] is None
+        exercises = results[str(learner_path(source))]["exercises"]
+        n_checks += len(exercises)
+        assert exercises, f"{source.name}: no exercises found"
+        for name, verdict in exercises.items():
+            assert verdict["status"] == "not attempted", f"{source.name} {name}: {verdict}"
+            assert "not attempted yet" in verdict["reason"]
+    assert len(failed_lines) == n_checks, "\n".join(failed_lines)
+    assert all("::check " in line for line in failed_lines), "\n".join(failed_lines)
+
+
+def _fill(nb, name: str, body: str) -> None:
+    """Replace the stub of exercise `name` in a learner notebook with `body` (indented code)."""
+    for cell in nb.cells:
+        if f"exercise:{name}" in cell.metadata.get("tags", []):
+            cell.source = cell.source.replace("    # YOUR CODE HERE\n    raise NotImplementedError()", body)
+            return
+    raise AssertionError(f"no exercise {name}")
+
+
+def test_checker_on_a_filled_in_learner_notebook(tmp_path):
+    """A right answer passes, a wrong one fails naming its fault, the rest stay 'not attempted'."""
+    source = next(s for s in SOURCES if s.name.startswith("01_"))
+    nb = nbformat.read(learner_path(source), as_version=4)
+    _fill(nb, "checkerboard", "    i = torch.arange(n)\n    return ((i[:, None] + i) % 2).float()")
+    _fill(nb, "pairwise_sq_distances", "    return ((a[None, :, :] - b[:, None, :]) ** 2).sum(-1)")  # transposed
+    _fill(nb, "relu_copy", "    x[x < 0] = 0\n    return x")  # modifies its input
+    mine = tmp_path / source.name
+    nbformat.write(nb, mine)
+    result = subprocess.run(
+        [sys.executable, "-m", "course_utils", "check", str(mine)], capture_output=True, text=True
+    )
+    assert result.returncode == 1
+    lines = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("  ") and len(line.split()) > 1}
+    assert lines["checkerboard"].split()[0] == "PASS"
+    assert lines["pairwise_sq_distances"].split()[0] == "FAIL" and "transposed" in lines["pairwise_sq_distances"]
+    assert lines["relu_copy"].split()[0] == "FAIL" and "in place" in lines["relu_copy"]
+    assert lines["linear"].split()[0] == "TODO"
+    assert "1 passed, 4 not attempted, 2 failed" in result.stdout
+
+
+def test_checker_stops_after_a_broken_demo_cell(tmp_path):
+    """A failing non-exercise cell is named, and the cells after it are not run."""
+    source = next(s for s in SOURCES if s.name.startswith("00_"))
+    nb = nbformat.read(learner_path(source), as_version=4)
+    first_demo = next(c for c in nb.cells if c.cell_type == "code" and "seed_everything(42)" in c.source)
+    first_demo.source = "undefined_name + 1\n" + first_demo.source
+    mine = tmp_path / source.name
+    nbformat.write(nb, mine)
+    result = subprocess.run([sys.executable, "-m", "course_utils", "check", str(mine)], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "NameError: name 'undefined_name' is not defined" in result.stdout
+    assert "checker stopped there" in result.stdout
+    assert "stopped early: Cell" in result.stdout
