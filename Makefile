@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval-current-env -p no:cacheprovider
 
-.PHONY: lab test unit notebooks learner-check build lock clean-venv
+.PHONY: lab test notebooks build lock clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,13 +18,12 @@ $(STAMP): pyproject.toml constraints.txt
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/00_orientation.ipynb
 
-# Unit tests, then the solution notebooks (every check must pass, deterministic
-# outputs compared), then the learner copies (every check "not attempted").
+# Unit tests (tests/test_notebooks.py also runs the learner copies: every check
+# must say "not attempted" and nothing else may fail), then the solution notebooks
+# under strict nbval: every check passes, deterministic outputs compared, no
+# DeprecationWarning or FutureWarning printed.
 test: $(STAMP)
-	$(PY) -m pytest tests notebooks/solutions --nbval $(NBVAL)
-
-unit: $(STAMP)
-	$(PY) -m pytest tests -m "not notebooks"
+	$(PY) -m pytest tests notebooks/solutions --nbval $(NBVAL) --course-strict-warnings
 
 # Re-run every solution notebook to refresh its outputs, then rebuild the learner copies.
 notebooks: $(STAMP)

@@ -77,7 +77,22 @@ def call(fn: Any, *args, **kwargs) -> Any:
         raise
     except Exception as err:
         where = f"{getattr(fn, '__name__', 'your function')}({_describe_args(args)})"
-        raise ExerciseFailed(f"{where} raised {type(err).__name__}: {_first_line(err)}") from None
+        raise ExerciseFailed(f"{where} raised {type(err).__name__}: {_first_line(err)}{_error_hint(err)}") from None
+
+
+# Torch's wording of common shape errors, and what they usually mean in a learner's code.
+ERROR_HINTS = {
+    "must match the size of tensor": "shapes that do not broadcast; a reduction without keepdim=True?",
+    "shapes cannot be multiplied": "for a @ b the last dim of a must equal the first of b; transpose one?",
+    "view size is not compatible": "view() needs contiguous memory; use reshape() or .contiguous()",
+    "expected scalar type": "mixed dtypes; convert one side with .to(other.dtype)",
+    "Expected all tensors to be on the same device": "move both operands to one device with .to(device)",
+}
+
+
+def _error_hint(err: Exception) -> str:
+    text = str(err)
+    return next((f" ({hint})" for key, hint in ERROR_HINTS.items() if key in text), "")
 
 
 def _first_line(err: Exception) -> str:

@@ -10,7 +10,9 @@ What it adds to an nbval run:
 - `--course-report FILE` writes the scoreboard as JSON.
 """
 
+import glob
 import json
+import os
 import re
 from pathlib import Path
 
@@ -37,6 +39,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     # notebook path -> {"exercises": {name: {"status", "reason"}}, "stopped_at": None or "Cell N: error"}
     config._course_results = {}
+    if config.getoption("course_strict_warnings", False):
+        # Kernels start after this and inherit it: show every deprecation, not only __main__'s.
+        os.environ["PYTHONWARNINGS"] = "default::DeprecationWarning,default::FutureWarning"
 
 
 def _is_cell(item: pytest.Item) -> bool:
@@ -53,9 +58,14 @@ def _tag(item: pytest.Item, prefix: str) -> str | None:
 def _cuda_available() -> bool:
     global _cuda
     if _cuda is None:
-        from course_utils.device import cuda_available
+        # Importing torch costs the checker ~2 s; without an NVIDIA device node (or WSL's
+        # /dev/dxg) there is no CUDA anyway, so look for one first.
+        if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/dxg"):
+            _cuda = False
+        else:
+            from course_utils.device import cuda_available
 
-        _cuda = cuda_available()
+            _cuda = cuda_available()
     return _cuda
 
 
@@ -160,7 +170,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         else:
             results[exercise] = {"status": "failed", "reason": f"your code cell raised {reason}", "from_code": True}
     elif report.failed:
-        item.parent.course_broken = item.name
+        if not getattr(item, "course_warning", None):  # a warning leaves the kernel's state intact
+            item.parent.course_broken = item.name
         _notebook(item)["stopped_at"] = f"{item.name}: {_error_line(item)}"
         report.longrepr = f"{item.name} failed ({_error_line(item)}); the rest of this notebook is skipped\n\n{report.longrepr}"
     elif report.passed and is_check:

@@ -24,7 +24,7 @@ def set_deterministic(enabled: bool = True) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(enabled)
     torch.backends.cudnn.deterministic = enabled
-    torch.backends.cudnn.benchmark = not enabled
+    torch.backends.cudnn.benchmark = False  # autotuning picks kernels by timing: never repeatable
 
 
 @contextmanager

@@ -1,0 +1,204 @@
+"""course_utils.build: from a solution notebook to the learner copy."""
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+from course_utils.build import BuildError, learner_copy, learner_path, solution_blocks, stub, tag_source
+
+SOLUTION_CELL = '''import torch
+
+
+def add_one(x):
+    """Add one to every element."""
+    ### BEGIN SOLUTION
+    y = x + 1
+    return y
+    ### END SOLUTION
+'''
+
+CHECK_CELL = "lesson01.check_add_one(add_one)"
+
+
+def test_stub_replaces_block_at_indent():
+    out = stub(SOLUTION_CELL)
+    assert out.splitlines() == [
+        "import torch",
+        "",
+        "",
+        "def add_one(x):",
+        '    """Add one to every element."""',
+        "    # YOUR CODE HERE",
+        "    raise NotImplementedError()",
+    ]
+    compile(out, "<stub>", "exec")
+
+
+def test_stub_keeps_deeper_indent_and_code_after_block():
+    source = "class Net:\n    def forward(self, x):\n        ### BEGIN SOLUTION\n        return x\n        ### END SOLUTION\n\n\nnet = Net()"
+    out = stub(source)
+    assert "        raise NotImplementedError()" in out.splitlines()
+    assert "return x" not in out
+    assert out.endswith("net = Net()")
+    compile(out, "<stub>", "exec")
+
+
+def test_stub_handles_two_blocks():
+    source = "def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\n\ndef g():\n\t### BEGIN SOLUTION\n\treturn 2\n\t### END SOLUTION"
+    out = stub(source)
+    assert out.count("raise NotImplementedError()") == 2
+    assert "\traise NotImplementedError()" in out
+    assert "return" not in out
+
+
+def test_stub_without_blocks_is_unchanged():
+    assert stub("x = 1\nprint(x)") == "x = 1\nprint(x)"
+
+
+def test_stub_rejects_top_level_block():
+    with pytest.raises(BuildError, match=r"cell 3: a solution must sit inside a function body"):
+        stub("### BEGIN SOLUTION\nx = 1\n### END SOLUTION", where="cell 3")
+
+
+def test_stub_rejects_unclosed_block():
+    with pytest.raises(BuildError, match=r"BEGIN SOLUTION is never closed"):
+        stub("def f():\n    ### BEGIN SOLUTION\n    return 1")
+
+
+def test_stub_rejects_end_without_begin():
+    with pytest.raises(BuildError, match=r"### END SOLUTION without ### BEGIN SOLUTION"):
+        stub("def f():\n    return 1\n    ### END SOLUTION")
+
+
+def test_stub_rejects_nested_blocks():
+    with pytest.raises(BuildError, match="nested"):
+        stub("def f():\n    ### BEGIN SOLUTION\n    ### BEGIN SOLUTION\n    ### END SOLUTION")
+
+
+def test_solution_blocks():
+    assert solution_blocks(SOLUTION_CELL) == ["    y = x + 1\n    return y"]
+    assert solution_blocks("x = 1") == []
+    two = "def f():\n    ### BEGIN SOLUTION\n    a\n    ### END SOLUTION\ndef g():\n    ### BEGIN SOLUTION\n    b\n    ### END SOLUTION"
+    assert solution_blocks(two) == ["    a", "    b"]
+
+
+def _notebook(*cells):
+    nb = new_notebook()
+    nb.cells = list(cells)
+    return nb
+
+
+def test_tag_source_tags_exercise_and_check_cells():
+    nb = _notebook(
+        new_markdown_cell("# Lesson 1"),
+        new_code_cell("from course_utils import lesson01", metadata={"tags": ["nbval-check-output"]}),
+        new_code_cell(SOLUTION_CELL, metadata={"tags": ["gpu", "exercise:stale"]}),
+        new_code_cell(CHECK_CELL),
+    )
+    assert tag_source(nb) == ["add_one"]
+    assert nb.cells[1].metadata["tags"] == ["nbval-check-output"]
+    assert nb.cells[2].metadata["tags"] == ["gpu", "exercise:add_one"]
+    assert nb.cells[3].metadata["tags"] == ["check:add_one"]
+
+
+def test_tag_source_removes_stale_tags():
+    nb = _notebook(new_code_cell("x = 1", metadata={"tags": ["check:old"]}))
+    assert tag_source(nb) == []
+    assert "tags" not in nb.cells[0].metadata
+
+
+def test_tag_source_exercise_without_check():
+    nb = _notebook(new_code_cell(SOLUTION_CELL), new_code_cell("print('no check here')"))
+    with pytest.raises(BuildError, match=r"every exercise needs exactly one check cell.*\['add_one'\].*\[\]"):
+        tag_source(nb)
+
+
+def test_tag_source_check_without_exercise():
+    nb = _notebook(new_code_cell(CHECK_CELL))
+    with pytest.raises(BuildError, match="every exercise needs exactly one check cell"):
+        tag_source(nb)
+
+
+def test_tag_source_two_checks_in_one_cell():
+    nb = _notebook(new_code_cell("lesson01.check_a(a)\nlesson01.check_b(b)"))
+    with pytest.raises(BuildError, match="one check per cell"):
+        tag_source(nb)
+
+
+def test_tag_source_solution_cell_needs_one_function():
+    nb = _notebook(new_code_cell(SOLUTION_CELL + "\n\ndef helper():\n    pass\n"))
+    with pytest.raises(BuildError, match=r"exactly one top-level function, found \['add_one', 'helper'\]"):
+        tag_source(nb)
+
+
+def test_tag_source_markers_in_markdown():
+    nb = _notebook(new_markdown_cell("### BEGIN SOLUTION"))
+    with pytest.raises(BuildError, match="code cells only"):
+        tag_source(nb)
+
+
+def _tagged_source():
+    nb = _notebook(
+        new_markdown_cell("# Lesson 1"),
+        new_code_cell("print('hi')", metadata={"tags": ["nbval-check-output"], "scrolled": True}),
+        new_code_cell(SOLUTION_CELL, metadata={"tags": ["nbval-ignore-output"]}),
+        new_code_cell(CHECK_CELL),
+        new_code_cell("%%gpu\nprint(1)", metadata={"tags": ["gpu", "nbval-skip"]}),
+    )
+    for i, cell in enumerate(nb.cells[1:], start=1):
+        cell.execution_count = i
+        cell.outputs = [new_output("stream", name="stdout", text="hi\n")]
+    nb.metadata["widgets"] = {"state": {}}
+    tag_source(nb)
+    return nb
+
+
+def test_learner_copy_stubs_and_clears_outputs():
+    nb = _tagged_source()
+    learner = learner_copy(nb)
+    for cell in learner.cells[1:]:
+        assert cell.outputs == []
+        assert cell.execution_count is None
+    assert "raise NotImplementedError()" in learner.cells[2].source
+    assert not any(block in learner.cells[2].source for block in solution_blocks(nb.cells[2].source))
+    assert "widgets" not in learner.metadata
+    nbformat.validate(learner)
+
+
+def test_learner_copy_tags():
+    learner = learner_copy(_tagged_source())
+    assert learner.cells[1].metadata == {}  # nbval tag and "scrolled" gone
+    assert learner.cells[2].metadata == {"tags": ["exercise:add_one"]}
+    assert learner.cells[3].metadata == {"tags": ["check:add_one"]}
+    assert learner.cells[4].metadata == {"tags": ["gpu"]}
+    assert learner.cells[0].source == "# Lesson 1"
+
+
+def test_learner_copy_leaves_source_untouched():
+    nb = _tagged_source()
+    learner_copy(nb)
+    assert "### BEGIN SOLUTION" in nb.cells[2].source
+    assert nb.cells[1].outputs and nb.cells[1].execution_count == 1
+    assert nb.cells[1].metadata["tags"] == ["nbval-check-output"]
+    assert "widgets" in nb.metadata
+
+
+def test_learner_path(tmp_path):
+    source = tmp_path / "notebooks" / "solutions" / "01_tensors.ipynb"
+    assert learner_path(source) == tmp_path / "notebooks" / "01_tensors.ipynb"
+
+
+def test_build_writes_tagged_source_and_learner_copy(tmp_path):
+    from course_utils.build import build
+
+    solutions = tmp_path / "notebooks" / "solutions"
+    solutions.mkdir(parents=True)
+    source = solutions / "01_tensors.ipynb"
+    nbformat.write(_notebook(new_code_cell(SOLUTION_CELL), new_code_cell(CHECK_CELL)), source)
+    assert build([source]) == [tmp_path / "notebooks" / "01_tensors.ipynb"]
+    saved = nbformat.read(source, as_version=4)
+    assert saved.cells[0].metadata["tags"] == ["exercise:add_one"]
+    assert "### BEGIN SOLUTION" in saved.cells[0].source
+    learner = nbformat.read(tmp_path / "notebooks" / "01_tensors.ipynb", as_version=4)
+    assert "y = x + 1" not in learner.cells[0].source
+    assert learner.cells[1].metadata["tags"] == ["check:add_one"]

@@ -1,0 +1,139 @@
+"""course_utils.pytest_plugin, end to end: nbval runs tiny notebooks in a subprocess with the plugin loaded."""
+
+import json
+
+import nbformat
+import pytest
+import torch
+from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+pytestmark = pytest.mark.slow
+
+# The real exception classes (importing them costs the kernel a torch import, ~2 s)...
+IMPORT = new_code_cell("from course_utils.checks import ExerciseFailed, ExerciseNotAttempted")
+# ...and stand-ins: the plugin goes by the exception's class name and message, as the kernel reports them.
+STAND_INS = new_code_cell("class ExerciseFailed(Exception): pass\nclass ExerciseNotAttempted(ExerciseFailed): pass")
+
+
+@pytest.fixture(autouse=True)
+def plain_env(monkeypatch):
+    for name in ("COURSE_DEVICE", "COURSE_CHECK_MODE", "PYTEST_ADDOPTS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def run(pytester, *cells, flags=()):
+    """Write the cells as nb.ipynb and check it with nbval + the course plugin; return (result, report)."""
+    nb = new_notebook()
+    nb.cells = list(cells)
+    nbformat.write(nb, pytester.path / "nb.ipynb")
+    result = pytester.runpytest_subprocess(
+        "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider", "-v", "-rs",
+        "--course-report", "r.json", *flags, "nb.ipynb",
+    )
+    report = json.loads((pytester.path / "r.json").read_text())
+    return result, report
+
+
+def exercises(report):
+    """The one notebook's {exercise: {"status", "reason"}} from the JSON scoreboard."""
+    (notebook,) = report.values()
+    return notebook["exercises"]
+
+
+def check_cell(name, source):
+    return new_code_cell(source, metadata={"tags": [f"check:{name}"]})
+
+
+def test_not_attempted_check(pytester):
+    result, report = run(
+        pytester,
+        IMPORT,
+        check_cell("foo", 'raise ExerciseNotAttempted("not attempted yet: replace `raise NotImplementedError` in foo", "foo")'),
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*check foo FAILED*", "*foo not attempted: not attempted yet*"])
+    assert exercises(report) == {"foo": {"status": "not attempted", "reason": "not attempted yet: replace `raise NotImplementedError` in foo"}}
+    result.stdout.fnmatch_lines(["*exercise scoreboard*", "*TODO  foo*", "*1 exercises: 0 passed, 1 not attempted, 0 failed*"])
+
+
+def test_passing_check(pytester):
+    result, report = run(pytester, check_cell("bar", 'print("PASS bar: all checks passed")'))
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*check bar PASSED*"])
+    assert exercises(report) == {"bar": {"status": "passed", "reason": ""}}
+
+
+def test_failed_check_gives_one_line_reason(pytester):
+    result, report = run(pytester, STAND_INS, check_cell("baz", 'raise ExerciseFailed("baz: expected 3, got 4")'), new_code_cell("x = 1"))
+    result.assert_outcomes(passed=2, failed=1)  # an exercise failure does not stop the notebook
+    assert exercises(report) == {"baz": {"status": "failed", "reason": "expected 3, got 4"}}
+    result.stdout.fnmatch_lines(["*nb.ipynb::check baz*", "baz failed: expected 3, got 4"])
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_failing_exercise_code_is_blamed_in_check(pytester):
+    """The learner's code cell raises: its check reports that error, not merely 'not attempted'."""
+    code = new_code_cell('def foo():\n    raise NotImplementedError()\n\nfoo_value = 1 / 0', metadata={"tags": ["exercise:foo"]})
+    check = check_cell("foo", 'raise ExerciseNotAttempted("foo: not attempted yet")')
+    result, report = run(pytester, STAND_INS, code, check)
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines(["*exercise foo (your code) FAILED*", "*check foo FAILED*"])
+    assert exercises(report) == {"foo": {"status": "failed", "reason": "your code cell raised ZeroDivisionError: division by zero"}}
+
+
+def test_failure_outside_exercise_skips_rest(pytester):
+    before = new_code_cell('open("before.txt", "w").write("ran")')
+    broken = new_code_cell('raise ValueError("boom")')
+    after = new_code_cell('open("after.txt", "w").write("ran")')
+    result, report = run(pytester, before, broken, check_cell("late", 'print("PASS")'), after)
+    result.assert_outcomes(passed=1, failed=1, skipped=2)
+    result.stdout.fnmatch_lines(["*Cell 1 failed (ValueError: boom); the rest of this notebook is skipped*"])
+    result.stdout.fnmatch_lines(["SKIPPED [[]2[]] *not run: Cell 1 failed earlier in this notebook"])
+    assert (pytester.path / "before.txt").exists()  # the kernel did run in this folder...
+    assert not (pytester.path / "after.txt").exists()  # ...and stopped before the last cell
+    assert exercises(report) == {"late": {"status": "not run", "reason": "the check cell did not run"}}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_gpu_cell_skipped_without_cuda(pytester):
+    gpu = new_code_cell('open("gpu.txt", "w").write("ran")\nraise RuntimeError("the gpu cell ran")', metadata={"tags": ["gpu"]})
+    result, _ = run(pytester, gpu, new_code_cell("x = 1"))
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] *GPU cell: no CUDA device here*"])
+    assert not (pytester.path / "gpu.txt").exists()
+
+
+def _output_cell(source, *outputs):
+    return new_code_cell(source, metadata={"tags": ["nbval-check-output"]}, execution_count=1, outputs=list(outputs))
+
+
+def _stream(name, text):
+    return new_output("stream", name=name, text=text)
+
+
+def test_stderr_never_fails_output_check(pytester):
+    differs_in_stderr = _output_cell(
+        'import sys\nprint("hello")\nprint("a new warning", file=sys.stderr)',
+        _stream("stdout", "hello\n"),
+        _stream("stderr", "an old warning\n"),
+    )
+    warns = new_code_cell('import warnings\nwarnings.warn("old api", FutureWarning, stacklevel=1)')  # fine without the flag
+    differs_in_stdout = _output_cell('print("goodbye")', _stream("stdout", "hello\n"))  # control: stdout is compared
+    result, _ = run(pytester, differs_in_stderr, warns, differs_in_stdout)
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*Cell 0 PASSED*", "*Cell 1 PASSED*", "*Cell 2 FAILED*"])
+
+
+def test_strict_warnings(pytester):
+    """--course-strict-warnings fails a check cell (naming the warning) and an ordinary cell that print a FutureWarning."""
+    warn = 'import warnings\nwarnings.warn("old api", FutureWarning, stacklevel=1)'
+    check = check_cell("foo", warn + '\nprint("PASS foo")')
+    result, report = run(pytester, check, new_code_cell(warn), flags=["--course-strict-warnings"])
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines([
+        "foo failed: printed a FutureWarning (--course-strict-warnings): *FutureWarning: old api",
+        "*Cell 1 printed a FutureWarning (--course-strict-warnings): *FutureWarning: old api*",
+    ])
+    (verdict,) = exercises(report).values()
+    assert verdict["status"] == "failed"
+    assert verdict["reason"].startswith("printed a FutureWarning (--course-strict-warnings)")
