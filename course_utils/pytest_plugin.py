@@ -102,7 +102,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if GPU_TAG in item.cell.metadata.get("tags", []):
             item.options["check"] = False  # CPU and GPU runs print different things
             if not _cuda_available():
-                item.add_marker(pytest.mark.skip(reason="GPU cell: no CUDA device here (torch.cuda.is_available() is False)"))
+                item.add_marker(pytest.mark.skip(reason="GPU cell: no usable CUDA device on this machine"))
 
 
 def _notebook(item: pytest.Item) -> dict:

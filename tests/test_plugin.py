@@ -99,7 +99,7 @@ def test_gpu_cell_skipped_without_cuda(pytester):
     gpu = new_code_cell('open("gpu.txt", "w").write("ran")\nraise RuntimeError("the gpu cell ran")', metadata={"tags": ["gpu"]})
     result, _ = run(pytester, gpu, new_code_cell("x = 1"))
     result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] *GPU cell: no CUDA device here*"])
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] *GPU cell: no usable CUDA device on this machine*"])
     assert not (pytester.path / "gpu.txt").exists()
 
 
