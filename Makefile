@@ -6,6 +6,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval-current-env -p no:cacheprovider
+# Jupyter refuses to run as root unless told to; containers often run as root.
+LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: lab test notebooks build lock clean-venv
 
@@ -16,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/00_orientation.ipynb
+	$(VENV)/bin/jupyter lab $(LAB_ARGS) notebooks/00_orientation.ipynb
 
 # Unit tests (tests/test_notebooks.py also runs the learner copies: every check
 # must say "not attempted" and nothing else may fail), then the solution notebooks
