@@ -47,3 +47,24 @@ def fashion_mnist(root: str | Path | None = None, *, train: bool = True, downloa
 
     root = Path(root) if root is not None else data_dir() / "fashion"
     return FashionMNIST(str(root), train=train, download=download, transform=transform)
+
+
+def classification_datasets(name: str = "digits", *, download: bool = False):
+    """(train, test, class_names) as float image datasets in [0, 1]: 'digits' (offline) or 'fashion'.
+
+    'fashion' is FashionMNIST, 60,000 + 10,000 images of 28x28; it needs
+    download=True the first time, so it is the learner's online switch, never a test's.
+    """
+    from torch.utils.data import TensorDataset
+
+    if name == "digits":
+        (x_train, y_train), (x_test, y_test) = load_digits("train"), load_digits("test")
+        return TensorDataset(x_train.float() / 255, y_train), TensorDataset(x_test.float() / 255, y_test), DIGITS_CLASSES
+    if name == "fashion":
+        from torchvision.transforms import v2
+
+        to_tensor = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True)])
+        train = fashion_mnist(train=True, download=download, transform=to_tensor)
+        test = fashion_mnist(train=False, download=download, transform=to_tensor)
+        return train, test, FASHION_CLASSES
+    raise ValueError(f"unknown dataset {name!r}: expected 'digits' or 'fashion'")

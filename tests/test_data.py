@@ -151,3 +151,27 @@ def test_fashion_mnist_missing_files_fail_without_network(tmp_path):
     """download=False on an empty folder says the files are missing; it never reaches for the network."""
     with pytest.raises(RuntimeError, match="not found"):
         data.fashion_mnist(tmp_path, download=False)
+
+
+def test_classification_datasets_digits_are_floats_in_unit_range():
+    train, test, classes = data.classification_datasets("digits")
+    assert (len(train), len(test), classes) == (1438, 359, data.DIGITS_CLASSES)
+    image, label = train[0]
+    assert image.shape == (1, 8, 8) and image.dtype == torch.float32
+    assert 0.0 <= image.min() and image.max() <= 1.0 and 0 <= int(label) <= 9
+
+
+def test_classification_datasets_fashion_switch_offline(tmp_path, monkeypatch):
+    """The online switch, exercised on IDX files the test writes: same (1, H, W) float layout as digits."""
+    _fake_fashion(tmp_path / "fashion")
+    monkeypatch.setenv(data.ENV_VAR, str(tmp_path))
+    train, test, classes = data.classification_datasets("fashion")
+    assert (len(train), len(test), classes) == (5, 2, data.FASHION_CLASSES)
+    image, label = train[0]
+    assert image.shape == (1, 28, 28) and image.dtype == torch.float32 and image.max() <= 1.0
+    assert label == 1
+
+
+def test_classification_datasets_unknown_name():
+    with pytest.raises(ValueError, match="expected 'digits' or 'fashion'"):
+        data.classification_datasets("cifar")
