@@ -4,22 +4,16 @@ import pytest
 import torch
 
 from course_utils import lesson00
-from course_utils.checks import ExerciseFailed, ExerciseNotAttempted
+from course_utils.checks import ExerciseFailed
+from lesson_contract import contract_tests
 
 
-def stub(*args):
-    raise NotImplementedError()
-
-
-@pytest.mark.parametrize("check, reference", [
+PAIRS = [
     (lesson00.check_add_one, lesson00.add_one),
     (lesson00.check_mean_value, lesson00.mean_value),
-])
-def test_reference_passes_and_stub_is_not_attempted(check, reference, capsys):
-    check(reference)
-    assert "PASS" in capsys.readouterr().out
-    with pytest.raises(ExerciseNotAttempted, match="not attempted yet"):
-        check(stub)
+]
+
+test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line = contract_tests(PAIRS)
 
 
 @pytest.mark.parametrize("wrong, message", [

@@ -5,6 +5,7 @@ import torch
 
 from course_utils import lesson01 as L
 from course_utils.checks import ExerciseFailed, ExerciseNotAttempted
+from lesson_contract import contract_tests
 
 PAIRS = [
     (L.check_checkerboard, L.checkerboard),
@@ -16,30 +17,7 @@ PAIRS = [
     (L.check_stack_points, L.stack_points),
 ]
 
-
-def stub(*args):
-    raise NotImplementedError()
-
-
-@pytest.mark.parametrize("check, reference", PAIRS, ids=[r.__name__ for _, r in PAIRS])
-def test_reference_passes(check, reference, capsys):
-    check(reference)
-    assert capsys.readouterr().out.strip() == f"PASS {reference.__name__}: all checks passed"
-
-
-@pytest.mark.parametrize("check, reference", PAIRS, ids=[r.__name__ for _, r in PAIRS])
-def test_stub_is_not_attempted(check, reference):
-    with pytest.raises(ExerciseNotAttempted, match=f"^{reference.__name__}: not attempted yet"):
-        check(stub)
-
-
-@pytest.mark.parametrize("check, reference", PAIRS, ids=[r.__name__ for _, r in PAIRS])
-@pytest.mark.parametrize("bad", [None, 3, "fn"])
-def test_bad_input_is_one_named_line(check, reference, bad):
-    with pytest.raises(ExerciseFailed) as info:
-        check(bad)
-    assert str(info.value).startswith(f"{reference.__name__}: expected your function")
-    assert "\n" not in str(info.value)
+test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line = contract_tests(PAIRS)
 
 
 WRONG = [

@@ -1,0 +1,42 @@
+"""What every lesson's checks must do, as reusable tests: a test_lessonNN.py module writes
+
+    test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line = contract_tests(PAIRS)
+
+where PAIRS lists (check, reference solution) for each exercise of the lesson.
+"""
+
+from typing import Callable
+
+import pytest
+
+from course_utils.checks import ExerciseFailed, ExerciseNotAttempted
+
+
+def stub(*args, **kwargs):
+    """A learner's untouched exercise."""
+    raise NotImplementedError()
+
+
+def contract_tests(pairs: list[tuple[Callable, Callable]]):
+    """Three parametrized tests over a lesson's (check, reference) pairs."""
+    ids = [reference.__name__ for _, reference in pairs]
+
+    @pytest.mark.parametrize("check, reference", pairs, ids=ids)
+    def test_reference_passes(check, reference, capsys):
+        check(reference)
+        assert capsys.readouterr().out.strip().endswith(f"PASS {check.exercise_name}: all checks passed")
+
+    @pytest.mark.parametrize("check, reference", pairs, ids=ids)
+    def test_stub_is_not_attempted(check, reference):
+        with pytest.raises(ExerciseNotAttempted, match=f"^{check.exercise_name}: not attempted yet"):
+            check(stub)
+
+    @pytest.mark.parametrize("check, reference", pairs, ids=ids)
+    @pytest.mark.parametrize("bad", [None, 3, "fn"])
+    def test_bad_input_is_one_named_line(check, reference, bad):
+        with pytest.raises(ExerciseFailed) as info:
+            check(bad)
+        assert str(info.value).startswith(f"{check.exercise_name}: expected your function")
+        assert "\n" not in str(info.value)
+
+    return test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line
