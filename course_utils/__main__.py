@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     p_build = sub.add_parser("build", help="regenerate the learner copies from notebooks/solutions/")
     p_build.add_argument("lessons", nargs="*", help="lesson numbers (default: all)")
     p_build.add_argument("--execute", action="store_true", help="re-run each solution notebook first, refreshing its outputs")
+    p_reset = sub.add_parser("reset", help="give yourself a fresh copy of a lesson (your current file is backed up first)")
+    p_reset.add_argument("lesson", help="lesson number, e.g. 03")
+    sub.add_parser("progress", help="check every lesson and print a table of your progress")
+    p_html = sub.add_parser("html", help="render the solution notebooks to static HTML for the classroom")
+    p_html.add_argument("--out", default=None, help="output folder (default: build/html)")
     p_check = sub.add_parser("check", help="check your exercises in one lesson and print a scoreboard")
     p_check.add_argument("lesson", help="lesson number (01) or a notebook path")
     p_check.add_argument("--solutions", action="store_true", help="check the solution copy instead of yours")
@@ -62,8 +67,27 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "build":
         sources = [find_notebook(lesson, solutions=True) for lesson in args.lessons] or None
-        for path in build(sources, run=args.execute):
-            print(f"wrote {path.relative_to(root())}")
+        for path, saved in build(sources, run=args.execute):
+            print(f"wrote {path.relative_to(root())}" + (f" (the previous file is kept as {saved.name})" if saved else ""))
+        return 0
+    if args.command == "reset":
+        from course_utils.workspace import reset
+
+        source = find_notebook(args.lesson, solutions=True)
+        saved = reset(source)
+        target = learner_path(source).relative_to(root())
+        print(f"{target} is a fresh copy" + (f"; your previous file is kept as {saved.relative_to(root())}" if saved else " (it was already fresh)"))
+        return 0
+    if args.command == "progress":
+        from course_utils.workspace import progress
+
+        print(progress())
+        return 0
+    if args.command == "html":
+        from course_utils.classroom import build_html  # nbconvert: slow to import, so only here
+
+        pages = build_html(args.out)
+        print(f"wrote {len(pages) - 1} lesson pages and {pages[0]}")
         return 0
     return check(find_notebook(args.lesson, solutions=args.solutions))
 

@@ -18,7 +18,7 @@ END = "### END SOLUTION"
 CHECK_CALL = re.compile(r"^lesson\d+\.check_(\w+)\(", re.MULTILINE)  # a top-level call; one inside try: is a demo
 DEF = re.compile(r"^def (\w+)\(", re.MULTILINE)
 OWN_TAGS = ("check:", "exercise:")
-SOURCE_ONLY_TAGS = ("nbval-",)  # output checks apply to the solution copy only
+SOURCE_ONLY_TAGS = ("nbval-ignore-output", "nbval-check-output")  # output checks: solution copy only
 
 
 class BuildError(Exception):
@@ -133,8 +133,14 @@ def execute(nb, path: Path) -> None:
     ).execute()
 
 
-def build(sources: list[Path] | None = None, *, run: bool = False) -> list[Path]:
-    """Tag (and optionally re-execute) each source notebook and write its learner copy."""
+def build(sources: list[Path] | None = None, *, run: bool = False) -> list[tuple[Path, Path | None]]:
+    """Tag (and optionally re-execute) each source notebook and write its learner copy.
+
+    Returns (learner copy, backup or None): a learner copy that differs from the new
+    one may hold a learner's work, so it is backed up before it is replaced.
+    """
+    from course_utils.workspace import write_learner_file
+
     written = []
     for source in sources or source_notebooks():
         nb = nbformat.read(source, as_version=4)
@@ -143,6 +149,5 @@ def build(sources: list[Path] | None = None, *, run: bool = False) -> list[Path]
             execute(nb, source)
         nbformat.write(nb, source)
         target = learner_path(source)
-        nbformat.write(learner_copy(nb), target)
-        written.append(target)
+        written.append((target, write_learner_file(target, nbformat.writes(learner_copy(nb)) + "\n")))
     return written

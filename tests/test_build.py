@@ -170,7 +170,7 @@ def test_learner_copy_tags():
     assert learner.cells[1].metadata == {}  # nbval tag and "scrolled" gone
     assert learner.cells[2].metadata == {"tags": ["exercise:add_one"]}
     assert learner.cells[3].metadata == {"tags": ["check:add_one"]}
-    assert learner.cells[4].metadata == {"tags": ["gpu"]}
+    assert learner.cells[4].metadata == {"tags": ["gpu", "nbval-skip"]}  # a skipped cell stays skipped for learners
     assert learner.cells[0].source == "# Lesson 1"
 
 
@@ -195,7 +195,7 @@ def test_build_writes_tagged_source_and_learner_copy(tmp_path):
     solutions.mkdir(parents=True)
     source = solutions / "01_tensors.ipynb"
     nbformat.write(_notebook(new_code_cell(SOLUTION_CELL), new_code_cell(CHECK_CELL)), source)
-    assert build([source]) == [tmp_path / "notebooks" / "01_tensors.ipynb"]
+    assert build([source]) == [(tmp_path / "notebooks" / "01_tensors.ipynb", None)]
     saved = nbformat.read(source, as_version=4)
     assert saved.cells[0].metadata["tags"] == ["exercise:add_one"]
     assert "### BEGIN SOLUTION" in saved.cells[0].source
