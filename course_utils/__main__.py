@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("progress", help="check every lesson and print a table of your progress")
     p_html = sub.add_parser("html", help="render the solution notebooks to static HTML for the classroom")
     p_html.add_argument("--out", default=None, help="output folder (default: build/html)")
+    p_time = sub.add_parser("timings", help="time every lesson under nbval and the checker; rewrite README's course map")
+    p_time.add_argument("--repeat", type=int, default=3, help="runs per lesson (the median is reported)")
+    p_time.add_argument("--no-write", action="store_true", help="print the table instead of writing README.md")
     p_check = sub.add_parser("check", help="check your exercises in one lesson and print a scoreboard")
     p_check.add_argument("lesson", help="lesson number (01) or a notebook path")
     p_check.add_argument("--solutions", action="store_true", help="check the solution copy instead of yours")
@@ -88,6 +91,16 @@ def main(argv: list[str] | None = None) -> int:
 
         pages = build_html(args.out)
         print(f"wrote {len(pages) - 1} lesson pages and {pages[0]}")
+        return 0
+    if args.command == "timings":
+        from course_utils.timings import course_map, write_readme
+
+        table = course_map(args.repeat)
+        if args.no_write:
+            print(table)
+        else:
+            write_readme(table)
+            print("README.md course map updated")
         return 0
     return check(find_notebook(args.lesson, solutions=args.solutions))
 
