@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 NBVAL  := --nbval-current-env -p no:cacheprovider
 # Jupyter refuses to run as root unless told to; containers often run as root.
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
@@ -17,6 +18,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e .
 	touch $(STAMP)
 
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
+	touch $(TEST_STAMP)
+
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab $(LAB_ARGS) notebooks/00_orientation.ipynb
 
@@ -24,7 +29,7 @@ lab: $(STAMP)
 # must say "not attempted" and nothing else may fail), then the solution notebooks
 # under strict nbval: every check passes, deterministic outputs compared, no
 # DeprecationWarning or FutureWarning printed.
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest tests notebooks/solutions --nbval $(NBVAL) --course-strict-warnings
 
 # Re-run every solution notebook to refresh its outputs, then rebuild the learner copies.

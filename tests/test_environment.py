@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _pyproject() -> dict[str, Requirement]:
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    """Dependencies and optional (extra) dependencies, by name."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + [d for extra in project.get("optional-dependencies", {}).values() for d in extra]
     return {Requirement(d).name.lower(): Requirement(d) for d in deps}
 
 
@@ -28,7 +30,7 @@ def _environment() -> tuple[str, dict[str, str], list[str]]:
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     conda = [d for d in env["dependencies"] if isinstance(d, str)]
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
-    pins = dict(line.split("==") for line in pip if "==" in line)
+    pins = dict(line.split("#")[0].strip().split("==") for line in pip if "==" in line)
     return next(d for d in conda if d.startswith("python")), {k.lower(): v for k, v in pins.items()}, pip
 
 

@@ -1,0 +1,148 @@
+"""JupyterLab as a learner meets it: a real server, headless Chromium, lesson 01 run through the UI.
+
+Needs Debian's `chromium` and the `playwright` package (the `test` extra); skipped, with
+the reason, where either is missing. CI installs both (.ci/run, make test).
+"""
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "build" / "test-artifacts"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+LESSON = "01_tensors.ipynb"
+
+playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (Debian: apt-get install chromium)"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A JupyterLab server on localhost, serving a copy of lesson 01's solution copy; no process outlives it."""
+    # A copy without outputs or execution counts, so that whatever the page shows comes from this run;
+    # and the UI may autosave, which must not touch the repository.
+    nb = nbformat.read(ROOT / "notebooks" / "solutions" / LESSON, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    nbformat.write(nb, tmp_path / LESSON)
+    port, token = free_port(), secrets.token_hex(16)
+    command = [
+        sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+        f"--ServerApp.token={token}", f"--ServerApp.root_dir={tmp_path}", "--ServerApp.open_browser=False",
+        "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]
+    if os.geteuid() == 0:
+        command.append("--allow-root")
+    # Render every cell (JupyterLab 4 otherwise keeps off-screen cells out of the page), and
+    # keep the user's own settings and workspaces out of the test.
+    settings = tmp_path / ".settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / ".settings"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / ".workspaces")}
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail(f"JupyterLab did not start: {server.stderr.read().decode()[-2000:]}")
+            time.sleep(0.5)
+    tracked = [psutil.Process(server.pid)]
+    try:
+        yield {"url": url, "token": token, "dir": tmp_path, "tracked": tracked}
+    finally:
+        tracked += [c for c in tracked[0].children(recursive=True)]
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        gone, alive = psutil.wait_procs(tracked, timeout=10)
+        for proc in alive:
+            proc.kill()
+        assert not alive, f"processes left behind by JupyterLab: {[p.pid for p in alive]}"
+
+
+def test_lesson_01_runs_in_jupyterlab(lab):
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    screenshot = ARTIFACTS / "jupyterlab-lesson01.png"
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run", "--disable-quic"],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{lab['url']}/lab/tree/{LESSON}?token={lab['token']}")
+            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
+            start_kernel(page)
+            assert page.locator(".jp-OutputArea-output").count() == 0
+            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+            n_code = sum(c.cell_type == "code" for c in nbformat.read(lab["dir"] / LESSON, as_version=4).cells)
+            page.wait_for_function(
+                """n => {
+                    const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(e => e.textContent.trim());
+                    return prompts.length === n && prompts.every(t => /^\\[\\d+\\]:$/.test(t));
+                }""",
+                arg=n_code,
+                timeout=120_000,
+            )
+            page.keyboard.press("Control+s")
+            page.wait_for_timeout(1500)
+            page.locator(".jp-OutputArea-output img").first.scroll_into_view_if_needed()
+            page.screenshot(path=str(screenshot))
+            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").all_inner_texts()
+            images = page.locator(".jp-OutputArea-output img").count()
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "jupyterlab-failure.png"))
+            raise
+        finally:
+            browser.close()
+    assert screenshot.exists() and screenshot.stat().st_size > 10_000
+    saved = nbformat.read(lab["dir"] / LESSON, as_version=4)
+    code = [c for c in saved.cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in code), "not every cell ran"
+    assert not [o for c in code for o in c.outputs if o.output_type == "error"], "a cell raised in JupyterLab"
+    assert not [e for e in errors if "Error" in e or "Traceback" in e], errors
+    assert images >= 1, "no figure rendered"
+    assert any("PASS checkerboard" in "".join(o.get("text", "") for o in c.outputs) for c in code)
+
+
+def start_kernel(page) -> None:
+    """Accept the kernel dialog if JupyterLab shows one, then wait until the kernel is idle."""
+    try:
+        page.locator(".jp-Dialog").get_by_role("button", name="Select", exact=True).click(timeout=10_000)
+    except playwright.Error:
+        pass  # no dialog: the kernel started by itself
+    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=90_000)
