@@ -65,19 +65,31 @@ def _not_attempted(name: str) -> ExerciseNotAttempted:
     return ExerciseNotAttempted(f"{NOT_ATTEMPTED}: replace `raise NotImplementedError` in {name} with your code", name)
 
 
-def call(fn: Any, *args, **kwargs) -> Any:
-    """Call the learner's function; report a missing function or an error raised inside it in one line."""
+def call(
+    fn: Any,
+    *args,
+    name: str | None = None,
+    shown: str | None = None,
+    hints: dict[str, str] | None = None,
+) -> Any:
+    """Call the learner's function (or module) on args; report a missing one, or an error inside it, in one line.
+
+    `name` and `shown` replace the function's name and the description of its
+    arguments in that line; `hints` adds {text in the error: advice} to ERROR_HINTS.
+    """
     if fn is None:
         raise ExerciseFailed("expected your function, got None: pass the function itself, e.g. check_x(x)")
     if not callable(fn):
         raise ExerciseFailed(f"expected your function, got a {type(fn).__name__}: pass the function, do not call it first")
     try:
-        return fn(*args, **kwargs)
+        return fn(*args)
     except NotImplementedError:
         raise
     except Exception as err:
-        where = f"{getattr(fn, '__name__', 'your function')}({_describe_args(args)})"
-        raise ExerciseFailed(f"{where} raised {type(err).__name__}: {_first_line(err)}{_error_hint(err)}") from None
+        label = name or getattr(fn, "__name__", None) or f"your {type(fn).__name__}"
+        where = f"{label}({_describe_args(args) if shown is None else shown})"
+        advice = _error_hint(err, {**ERROR_HINTS, **(hints or {})})
+        raise ExerciseFailed(f"{where} raised {type(err).__name__}: {_first_line(err)}{advice}") from None
 
 
 # Torch's wording of common shape errors, and what they usually mean in a learner's code.
@@ -90,9 +102,9 @@ ERROR_HINTS = {
 }
 
 
-def _error_hint(err: Exception) -> str:
+def _error_hint(err: Exception, hints: dict[str, str] = ERROR_HINTS) -> str:
     text = str(err)
-    return next((f" ({hint})" for key, hint in ERROR_HINTS.items() if key in text), "")
+    return next((f" ({hint})" for key, hint in hints.items() if key in text), "")
 
 
 def _first_line(err: Exception) -> str:
@@ -103,6 +115,10 @@ def _first_line(err: Exception) -> str:
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"tensor of shape {tuple(value.shape)}"
+    if isinstance(value, nn.Module):
+        return f"a {type(value).__name__}"
+    if isinstance(value, dict) and len(value) > 3:
+        return f"dict of {len(value)} entries"
     if isinstance(value, (list, tuple)) and len(value) > 3:
         return f"{type(value).__name__} of {len(value)}"
     return repr(value)

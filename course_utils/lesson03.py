@@ -10,8 +10,6 @@ from torch import nn
 
 from course_utils.checks import (
     ExerciseFailed,
-    _error_hint,
-    _first_line,
     call,
     exercise,
     expect_equal,
@@ -31,16 +29,8 @@ def _seeded(seed: int) -> Iterator[None]:
 
 
 def _call(fn: Any, *args, shown: str, name: str | None = None) -> Any:
-    """checks.call for arguments whose repr spans many lines (modules): name them by `shown` instead."""
-    if fn is None or not callable(fn):
-        return call(fn, *args)  # its one-line message for a missing function
-    try:
-        return fn(*args)
-    except NotImplementedError:
-        raise
-    except Exception as err:
-        where = f"{name or getattr(fn, '__name__', 'your function')}({shown})"
-        raise ExerciseFailed(f"{where} raised {type(err).__name__}: {_first_line(err)}{_error_hint(err)}") from None
+    """checks.call, describing the (module) arguments by `shown`."""
+    return call(fn, *args, shown=shown, name=name)
 
 
 def _n_params(module: nn.Module) -> int:

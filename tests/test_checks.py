@@ -168,8 +168,18 @@ def test_call_not_callable():
         call(torch.zeros(2), 1)
 
 
-def test_call_returns_result_and_passes_kwargs():
-    assert call(lambda a, b=0: a + b, 2, b=3) == 5
+def test_call_returns_result():
+    assert call(lambda a, b=0: a + b, 2, 3) == 5
+
+
+def test_call_names_modules_and_takes_name_shown_and_hints():
+    def broken(model):
+        raise RuntimeError("weird internal thing\nsecond line")
+
+    with pytest.raises(ExerciseFailed, match=r"^broken\(a Linear\) raised RuntimeError: weird internal thing$"):
+        call(broken, torch.nn.Linear(2, 2))
+    with pytest.raises(ExerciseFailed, match=r"^your model\(input of 3\) raised RuntimeError: weird internal thing \(try this\)$"):
+        call(broken, 1, name="your model", shown="input of 3", hints={"internal": "try this"})
 
 
 def test_call_describes_long_list_arguments():
