@@ -3,6 +3,7 @@
 import csv
 import os
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -68,3 +69,44 @@ def classification_datasets(name: str = "digits", *, download: bool = False):
         test = fashion_mnist(train=False, download=download, transform=to_tensor)
         return train, test, FASHION_CLASSES
     raise ValueError(f"unknown dataset {name!r}: expected 'digits' or 'fashion'")
+
+
+def to_float_image(image: Image.Image) -> torch.Tensor:
+    """A PIL image -> float32 tensor (C, H, W) in [0, 1], with transforms.v2 ToImage and ToDtype."""
+    from torchvision.transforms import v2  # imported here: torchvision takes seconds to import
+
+    return v2.ToDtype(torch.float32, scale=True)(v2.ToImage()(image))
+
+
+class DigitsFiles(torch.utils.data.Dataset):
+    """The digits read from disk: labels.csv with pandas, one PNG with Pillow per item (lesson 04)."""
+
+    def __init__(
+        self,
+        split: str | None = None,
+        transform: Callable[[Image.Image], Any] | None = to_float_image,
+        target_transform: Callable[[int], Any] | None = None,
+    ):
+        import pandas as pd
+
+        if split not in (None, "train", "test"):
+            raise ValueError(f"split must be 'train', 'test' or None, got {split!r}")
+        self.root = data_dir() / "digits"
+        table = pd.read_csv(self.root / "labels.csv")
+        self.table = table if split is None else table[table["split"] == split].reset_index(drop=True)
+        self.transform = transform  # None returns the PIL image itself
+        self.target_transform = target_transform
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        row = self.table.iloc[index]
+        with Image.open(self.root / row["filename"]) as file:
+            image = file.convert("L")  # reads the pixels, so the file can close
+        label = int(row["label"])
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.target_transform is not None:
+            label = self.target_transform(label)
+        return image, label
