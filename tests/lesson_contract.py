@@ -2,7 +2,8 @@
 
     test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line = contract_tests(PAIRS)
 
-where PAIRS lists (check, reference solution) for each exercise of the lesson.
+where PAIRS lists (check, reference solution) for each exercise of the lesson, and checks each
+typical wrong answer with assert_names_fault(check, wrong, expected message).
 """
 
 from typing import Callable
@@ -40,3 +41,16 @@ def contract_tests(pairs: list[tuple[Callable, Callable]]):
         assert "\n" not in str(info.value)
 
     return test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line
+
+
+def assert_names_fault(check: Callable, wrong: Callable, message: str | None) -> None:
+    """A typical wrong answer fails with `message` in one line, without a chained traceback (None: it passes)."""
+    if message is None:
+        check(wrong)
+        return
+    with pytest.raises(ExerciseFailed, match=message) as info:
+        check(wrong)
+    assert not isinstance(info.value, ExerciseNotAttempted)
+    assert "\n" not in str(info.value)
+    assert info.value.__suppress_context__  # no chained traceback from inside the checker
+    assert "checker itself failed" not in str(info.value)

@@ -1,6 +1,5 @@
 """course_utils.checks: every fault a learner can make becomes one line naming the exercise."""
 
-import numpy as np
 import pytest
 import torch
 from torch import nn

@@ -1,7 +1,6 @@
 """Lesson 00's checks against the reference solutions and the wrong answers learners write."""
 
 import pytest
-import torch
 
 from course_utils import lesson00
 from course_utils.checks import ExerciseFailed

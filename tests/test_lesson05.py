@@ -5,16 +5,15 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
 from course_utils import lesson05 as L
-from course_utils.checks import ExerciseFailed, ExerciseNotAttempted
+from course_utils.checks import ExerciseFailed
 from course_utils.data import classification_datasets
 from course_utils.reproducibility import seed_everything
 from course_utils.training import fit
-from lesson_contract import contract_tests
+from lesson_contract import assert_names_fault, contract_tests
 
 PAIRS = [
     (L.check_train_step, L.train_step),
@@ -241,14 +240,7 @@ def test_errors_inside_the_learners_code_are_one_short_line(check, wrong, messag
 
 @pytest.mark.parametrize("check, wrong, message", WRONG)
 def test_wrong_answers_name_the_fault(check, wrong, message):
-    if message is None:
-        check(wrong)
-        return
-    with pytest.raises(ExerciseFailed, match=message) as info:
-        check(wrong)
-    assert not isinstance(info.value, ExerciseNotAttempted)
-    assert "\n" not in str(info.value)
-    assert info.value.__suppress_context__  # no chained traceback from inside the checker
+    assert_names_fault(check, wrong, message)
 
 
 @pytest.mark.parametrize("check, reference", PAIRS, ids=[r.__name__ for _, r in PAIRS])
