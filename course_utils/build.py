@@ -11,8 +11,6 @@ import copy
 import re
 from pathlib import Path
 
-import nbformat
-
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 CHECK_CALL = re.compile(r"^lesson\d+\.check_(\w+)\(", re.MULTILINE)  # a top-level call; one inside try: is a demo
@@ -139,6 +137,8 @@ def build(sources: list[Path] | None = None, *, run: bool = False) -> list[tuple
     Returns (learner copy, backup or None): a learner copy that differs from the new
     one may hold a learner's work, so it is backed up before it is replaced.
     """
+    import nbformat  # imported here: it costs the checker's command line over a second
+
     from course_utils.workspace import write_learner_file
 
     written = []

@@ -13,8 +13,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import nbformat
-
 from course_utils import check_mode
 from course_utils.build import learner_copy, learner_path, source_notebooks, tag_source
 
@@ -44,6 +42,8 @@ def write_learner_file(path: Path, content: str) -> Path | None:
 
 def fresh_copy(source: Path) -> str:
     """The learner copy of a source notebook, as the text `make build` writes."""
+    import nbformat
+
     nb = nbformat.read(source, as_version=4)
     tag_source(nb)
     return nbformat.writes(learner_copy(nb)) + "\n"
