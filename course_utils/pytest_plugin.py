@@ -169,9 +169,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             results[exercise] = {"status": status, "reason": reason}
         else:
             results[exercise] = {"status": "failed", "reason": f"your code cell raised {reason}", "from_code": True}
+    elif report.failed and getattr(item, "course_warning", None):
+        pass  # the report names the warning; the kernel's state is intact, so the notebook goes on
     elif report.failed:
-        if not getattr(item, "course_warning", None):  # a warning leaves the kernel's state intact
-            item.parent.course_broken = item.name
+        item.parent.course_broken = item.name
         _notebook(item)["stopped_at"] = f"{item.name}: {_error_line(item)}"
         report.longrepr = f"{item.name} failed ({_error_line(item)}); the rest of this notebook is skipped\n\n{report.longrepr}"
     elif report.passed and is_check:

@@ -128,8 +128,9 @@ def test_strict_warnings(pytester):
     """--course-strict-warnings fails a check cell (naming the warning) and an ordinary cell that print a FutureWarning."""
     warn = 'import warnings\nwarnings.warn("old api", FutureWarning, stacklevel=1)'
     check = check_cell("foo", warn + '\nprint("PASS foo")')
-    result, report = run(pytester, check, new_code_cell(warn), flags=["--course-strict-warnings"])
-    result.assert_outcomes(failed=2)
+    result, report = run(pytester, check, new_code_cell(warn), new_code_cell("x = 1"), flags=["--course-strict-warnings"])
+    result.assert_outcomes(failed=2, passed=1)  # a warning does not stop the notebook
+    assert next(iter(report.values()))["stopped_at"] is None
     result.stdout.fnmatch_lines([
         "foo failed: printed a FutureWarning (--course-strict-warnings): *FutureWarning: old api",
         "*Cell 1 printed a FutureWarning (--course-strict-warnings): *FutureWarning: old api*",
