@@ -1,11 +1,7 @@
-"""Command line: `python -m course_utils build|check ...`."""
+"""Command line: `python -m course_utils check|progress|reset|build|html|timings ...`."""
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from course_utils.build import build, learner_path, root, source_notebooks
@@ -27,19 +23,13 @@ def find_notebook(lesson: str, solutions: bool = False) -> Path:
 def check(notebook: Path) -> int:
     """Run nbval over one notebook in check mode and print the exercise scoreboard."""
     from course_utils.pytest_plugin import scoreboard_lines
+    from course_utils.workspace import run_checker
 
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
-        command = [
-            sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-q", "-p", "no:cacheprovider",
-            "--no-header", "-rN", "--tb=no", "--course-report", str(report), str(notebook),
-        ]
-        env = {**os.environ, "COURSE_CHECK_MODE": "1"}
-        result = subprocess.run(command, env=env, capture_output=True, text=True)
-        if not report.exists():
-            print(result.stdout + result.stderr)
-            return result.returncode or 1
-        results = json.loads(report.read_text())
+    try:
+        results = run_checker([notebook])
+    except RuntimeError as err:
+        print(err)
+        return 1
     print("\n".join(scoreboard_lines(results)) or f"{notebook.name} has no exercises")
     stopped = [nb["stopped_at"] for nb in results.values() if nb["stopped_at"]]
     if stopped:

@@ -1,8 +1,6 @@
 """Lesson 06 (mixed precision): reference solutions and the checks for its exercises."""
 
-import copy
 import functools
-import math
 import warnings
 from typing import Callable
 

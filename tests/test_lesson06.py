@@ -7,7 +7,6 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from course_utils import lesson06 as L
