@@ -1,6 +1,7 @@
 """What every lesson's checks must do, as reusable tests: a test_lessonNN.py module writes
 
-    test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line = contract_tests(PAIRS)
+    (test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line,
+     test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS)
 
 where PAIRS lists (check, reference solution) for each exercise of the lesson, and checks each
 typical wrong answer with assert_names_fault(check, wrong, expected message).
@@ -8,7 +9,10 @@ typical wrong answer with assert_names_fault(check, wrong, expected message).
 
 from typing import Callable
 
+import time
+
 import pytest
+import torch
 
 from course_utils.checks import ExerciseFailed, ExerciseNotAttempted
 
@@ -18,8 +22,8 @@ def stub(*args, **kwargs):
     raise NotImplementedError()
 
 
-def contract_tests(pairs: list[tuple[Callable, Callable]]):
-    """Three parametrized tests over a lesson's (check, reference) pairs."""
+def contract_tests(pairs: list[tuple[Callable, Callable]], max_seconds: float = 2.0):
+    """Five parametrized tests over a lesson's (check, reference) pairs; a second run of a check takes < max_seconds."""
     ids = [reference.__name__ for _, reference in pairs]
 
     @pytest.mark.parametrize("check, reference", pairs, ids=ids)
@@ -40,7 +44,24 @@ def contract_tests(pairs: list[tuple[Callable, Callable]]):
         assert str(info.value).startswith(f"{check.exercise_name}: expected your function")
         assert "\n" not in str(info.value)
 
-    return test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line
+    @pytest.mark.parametrize("check, reference", pairs, ids=ids)
+    def test_checks_leave_the_learners_random_state_alone(check, reference):
+        """A check seeds its own problems; the notebook's later cells must draw the same numbers as without it."""
+        torch.manual_seed(7)
+        expected = torch.rand(3)
+        torch.manual_seed(7)
+        check(reference)
+        assert torch.equal(torch.rand(3), expected)
+
+    @pytest.mark.parametrize("check, reference", pairs, ids=ids)
+    def test_checks_are_quick(check, reference):
+        check(reference)  # the first call may import parts of torch, or warm up Dynamo or the profiler
+        start = time.perf_counter()
+        check(reference)
+        assert time.perf_counter() - start < max_seconds
+
+    return (test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line,
+            test_checks_leave_the_learners_random_state_alone, test_checks_are_quick)
 
 
 def assert_names_fault(check: Callable, wrong: Callable, message: str | None) -> None:

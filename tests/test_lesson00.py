@@ -12,7 +12,8 @@ PAIRS = [
     (lesson00.check_mean_value, lesson00.mean_value),
 ]
 
-test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line = contract_tests(PAIRS)
+(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line,
+ test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS)
 
 
 @pytest.mark.parametrize("wrong, message", [

@@ -17,7 +17,8 @@ PAIRS = [
     (L.check_stack_points, L.stack_points),
 ]
 
-test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line = contract_tests(PAIRS)
+(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line,
+ test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS)
 
 
 WRONG = [

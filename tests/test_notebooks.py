@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -124,3 +125,19 @@ def test_checker_stops_after_a_broken_demo_cell(tmp_path):
     assert "NameError: name 'undefined_name' is not defined" in result.stdout
     assert "checker stopped there" in result.stdout
     assert "stopped early: Cell" in result.stdout
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
+def test_no_demo_cell_calls_an_exercise(source):
+    """Learner copies raise NotImplementedError in exercises, so only check cells may call them (demos use lessonNN.<name>)."""
+    nb = nbformat.read(source, as_version=4)
+    tags = [t for c in nb.cells for t in c.metadata.get("tags", [])]
+    names = [t.split(":", 1)[1] for t in tags if t.startswith("exercise:")]
+    for cell in nb.cells:
+        own = [t for t in cell.metadata.get("tags", []) if t.startswith(("exercise:", "check:"))]
+        if cell.cell_type != "code" or own:
+            continue
+        for name in names:
+            calls = [line for line in cell.source.splitlines()
+                     if re.search(rf"(?<![\w.]){name}\(", line) and f"def {name}(" not in line]
+            assert not calls, f"{source.name}: a demo cell calls the exercise {name}: {calls[0].strip()}"
