@@ -40,13 +40,15 @@ class ExerciseNotAttempted(ExerciseFailed):
 
 
 def exercise(name: str) -> Callable:
-    """Decorate a check: name its failures, turn any exception into one line, print a pass line."""
+    """Decorate a check: name its failures, turn any exception into one line, leave the RNG alone, print a pass line."""
 
     def decorate(check: Callable) -> Callable:
         @functools.wraps(check)
         def run(*args, **kwargs) -> None:
             try:
-                check(*args, **kwargs)
+                # Checks seed their own hidden cases; the learner's later cells must draw the same numbers.
+                with torch.random.fork_rng(devices=[]):
+                    check(*args, **kwargs)
             except ExerciseFailed as err:
                 raise type(err)(err.message, exercise=name) from None
             except NotImplementedError:

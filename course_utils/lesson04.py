@@ -181,11 +181,6 @@ def _indices(split: Any) -> list[int] | None:
 
 @exercise("make_split")
 def check_make_split(fn) -> None:
-    with torch.random.fork_rng(devices=[]):  # the check seeds torch; the notebook's random state stays as it was
-        _check_make_split(fn)
-
-
-def _check_make_split(fn) -> None:
     for n, fractions, seed in ((50, (0.8, 0.2), 0), (7, (0.7, 0.3), 3), (20, (0.5, 0.5), 11)):
         dataset = list(range(100, 100 + n))
         what = f"make_split(dataset of {n}, {fractions}, seed={seed})"
@@ -256,11 +251,6 @@ def check_class_weights_for(fn) -> None:
 
 @exercise("balanced_loader")
 def check_balanced_loader(fn) -> None:
-    with torch.random.fork_rng(devices=[]):  # an unseeded sampler would draw from the notebook's random state
-        _check_balanced_loader(fn)
-
-
-def _check_balanced_loader(fn) -> None:
     generator = torch.Generator().manual_seed(5)
     labels = torch.cat([torch.zeros(40, dtype=torch.long), torch.ones(8, dtype=torch.long), torch.full((2,), 2)])
     labels = labels[torch.randperm(len(labels), generator=generator)]

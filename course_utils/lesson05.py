@@ -1,7 +1,6 @@
 """Lesson 05 (training): reference solutions and the checks for its exercises."""
 
 import copy
-import functools
 import math
 from typing import Callable
 
@@ -79,15 +78,6 @@ def _batch(n: int, seed: int, n_features: int = 6, n_classes: int = 3) -> tuple[
     return torch.randn(n, n_features, generator=g), torch.randint(0, n_classes, (n,), generator=g)
 
 
-def _forked(fn: Callable) -> Callable:
-    """Run fn without disturbing the caller's global torch RNG (the learner's notebook stays reproducible)."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        with torch.random.fork_rng(devices=[]):
-            return fn(*args, **kwargs)
-    return run
-
-
 def _kind(value) -> str:
     """A value's type as a learner would write it: float, numpy.bool, torch.optim.lr_scheduler.StepLR."""
     kind = type(value)
@@ -119,7 +109,6 @@ def _expect_float(got, what: str, hint: str = "call .item() on it") -> float:
 # Checks, one per exercise, in notebook order.
 
 @exercise("train_step")
-@_forked
 def check_train_step(fn) -> None:
     model = _net(0)
     start = _params(model)
@@ -171,7 +160,6 @@ def _lrs(scheduler, optimizer: torch.optim.Optimizer, steps: int) -> list[float]
 
 
 @exercise("make_onecycle")
-@_forked
 def check_make_onecycle(fn) -> None:
     for max_lr, epochs, steps_per_epoch in ((0.1, 3, 7), (0.02, 2, 10)):
         what = f"make_onecycle(optimizer, max_lr={max_lr}, epochs={epochs}, steps_per_epoch={steps_per_epoch})"
@@ -203,7 +191,6 @@ def check_make_onecycle(fn) -> None:
 
 
 @exercise("accuracy")
-@_forked
 def check_accuracy(fn) -> None:
     # A square case first: argmax over the wrong dimension gives a silent, plausible number.
     g = torch.Generator().manual_seed(5)
@@ -239,7 +226,6 @@ def _probe(model: nn.Module) -> list[tuple[str, bool]]:
 
 
 @exercise("evaluate_model")
-@_forked
 def check_evaluate_model(fn) -> None:
     model = _net(3, p_drop=0.5)
     model.train()  # as it is after training: the function must switch to eval mode itself
@@ -278,7 +264,6 @@ def check_evaluate_model(fn) -> None:
 
 
 @exercise("accumulate_gradients")
-@_forked
 def check_accumulate_gradients(fn) -> None:
     n_steps = 4
     micro_batches = [_batch(5, 10 + i) for i in range(n_steps)]
@@ -322,7 +307,6 @@ def check_accumulate_gradients(fn) -> None:
 
 
 @exercise("early_stop")
-@_forked
 def check_early_stop(fn) -> None:
     cases = [
         ([], 2),

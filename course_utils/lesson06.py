@@ -81,14 +81,13 @@ def accumulate_scaled(model: nn.Module, micro_batches: list[tuple[torch.Tensor, 
 
 # Shared helpers for the checks.
 
-def _forked(fn: Callable) -> Callable:
-    """Run fn without disturbing the caller's global torch RNG, nor leaving CPU autocast switched on."""
+def _restores_autocast(fn: Callable) -> Callable:
+    """Run fn without leaving CPU autocast switched on (@exercise already leaves the RNG alone)."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
         enabled, dtype = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
         try:
-            with torch.random.fork_rng(devices=[]):
-                return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             torch.set_autocast_enabled("cpu", enabled)
             torch.set_autocast_dtype("cpu", dtype)
@@ -96,7 +95,7 @@ def _forked(fn: Callable) -> Callable:
 
 
 def _net(seed: int, sizes: tuple[int, ...] = (6, 8, 3)) -> nn.Module:
-    torch.manual_seed(seed)  # the check's own stream, inside fork_rng
+    torch.manual_seed(seed)  # the check's own stream: @exercise forks the RNG
     layers = []
     for a, b in zip(sizes, sizes[1:]):
         layers += [nn.Linear(a, b), nn.ReLU()]
@@ -157,7 +156,7 @@ _RANGE_MISTAKES = [  # (wrong rule, what it gets wrong)
 
 
 @exercise("fits_in_range")
-@_forked
+@_restores_autocast
 def check_fits_in_range(fn) -> None:
     answers = []
     for x, dtype in _RANGE_CASES:
@@ -179,7 +178,7 @@ def check_fits_in_range(fn) -> None:
 
 
 @exercise("autocast_forward")
-@_forked
+@_restores_autocast
 def check_autocast_forward(fn) -> None:
     model = _net(1, (12, 32, 32, 5))
     x = _batch(16, 2, n_features=12)[0]
@@ -263,7 +262,7 @@ _SAVED_MISTAKES = [
 
 
 @exercise("saved_bytes")
-@_forked
+@_restores_autocast
 def check_saved_bytes(fn) -> None:
     model = _net(3, (10, 24, 24, 3))
     x = _batch(16, 4, n_features=10)[0]
@@ -347,7 +346,7 @@ _SCHEDULE_MISTAKES = [
 
 
 @exercise("loss_scale_schedule")
-@_forked
+@_restores_autocast
 def check_loss_scale_schedule(fn) -> None:
     for found_inf, init_scale, growth_interval in _SCHEDULE_CASES:
         what = f"loss_scale_schedule({found_inf}, init_scale={init_scale:g}, growth_interval={growth_interval})"
@@ -417,7 +416,7 @@ _STEP_MISTAKES = [
 
 
 @exercise("scaled_step")
-@_forked
+@_restores_autocast
 def check_scaled_step(fn) -> None:
     shown = f"model, loss, optimizer, scaler (scale {_STEP_SCALE:g}), max_norm={_STEP_MAX_NORM}"
     for inf in (False, True):
@@ -503,7 +502,7 @@ _ACC_MISTAKES = [
 
 
 @exercise("accumulate_scaled")
-@_forked
+@_restores_autocast
 def check_accumulate_scaled(fn) -> None:
     model, micro_batches = _acc_problem()
     optimizer = torch.optim.SGD(model.parameters(), lr=_ACC_LR)

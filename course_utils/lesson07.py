@@ -84,7 +84,7 @@ def mark_batch_dynamic(x: torch.Tensor) -> torch.Tensor:
 # Plumbing shared by the checks.
 
 def _isolated(fn: Callable) -> Callable:
-    """Run a check with the caller's global torch RNG untouched and Dynamo's caches emptied before and after.
+    """Run a check with Dynamo's caches emptied before and after (@exercise leaves the RNG alone).
 
     Every check compiles with a backend of its own, and each new backend adds an entry to
     Dynamo's cache for the code it compiles (nn.Sequential.forward, say). Past
@@ -95,8 +95,7 @@ def _isolated(fn: Callable) -> Callable:
     def run(*args, **kwargs):
         torch.compiler.reset()
         try:
-            with torch.random.fork_rng(devices=[]):
-                return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             torch.compiler.reset()
     return run
@@ -167,7 +166,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 
 # Checks, one per exercise, in notebook order.
 
 def _inference_net() -> nn.Module:
-    torch.manual_seed(0)  # inside fork_rng: the learner's RNG is untouched
+    torch.manual_seed(0)  # @exercise forks the RNG: the learner's is untouched
     net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3))
     with torch.no_grad():  # give batch norm running statistics that differ from a fresh batch's
         net[1].running_mean.uniform_(-1, 1)

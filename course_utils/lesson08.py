@@ -78,15 +78,6 @@ def checkpointed_forward(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor
 
 # Helpers of the checks.
 
-def _forked(fn: Callable) -> Callable:
-    """Run fn without disturbing the caller's global torch RNG (the learner's notebook stays reproducible)."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        with torch.random.fork_rng(devices=[]):
-            return fn(*args, **kwargs)
-    return run
-
-
 def _kind(value) -> str:
     kind = type(value)
     return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__.split('.')[0]}.{kind.__qualname__}"
@@ -162,7 +153,6 @@ def _hooked_modules(model: nn.Module) -> list[str]:
 # Checks, one per exercise, in notebook order.
 
 @exercise("capture_activations")
-@_forked
 def check_capture_activations(fn) -> None:
     model = _probe(0)
     g = torch.Generator().manual_seed(1)
@@ -214,7 +204,6 @@ def _grad_model(seed: int) -> nn.Module:
 
 
 @exercise("grad_norms")
-@_forked
 def check_grad_norms(fn) -> None:
     model = _grad_model(2)
     g = torch.Generator().manual_seed(3)
@@ -252,7 +241,6 @@ def check_grad_norms(fn) -> None:
 
 
 @exercise("clip_tensor_grad")
-@_forked
 def check_clip_tensor_grad(fn) -> None:
     upstream = torch.tensor([[4.0, -3.0, 0.5], [-0.25, 2.0, -6.0]])
     max_abs = 1.0
@@ -311,7 +299,6 @@ def _nan_cases() -> list[tuple[str, Callable, torch.Tensor, str | None]]:
 
 
 @exercise("find_nan_op")
-@_forked
 def check_find_nan_op(fn) -> None:
     hints = {
         "returned nan values": "catch the RuntimeError that detect_anomaly raises and return the function's name from its message",
@@ -405,7 +392,6 @@ def _real_profile():
 
 
 @exercise("slowest_op")
-@_forked
 def check_slowest_op(fn) -> None:
     for prof in [*_fake_profiles(), _real_profile()]:
         events = list(prof.key_averages())
@@ -444,7 +430,6 @@ def _blocks(seed: int) -> nn.ModuleList:
 
 
 @exercise("checkpointed_forward")
-@_forked
 def check_checkpointed_forward(fn) -> None:
     blocks = _blocks(5)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(6))  # a batch: it does not require grad

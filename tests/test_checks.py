@@ -469,3 +469,17 @@ def test_expect_unchanged_detects_in_place():
 def test_expect_unchanged_accepts_untouched():
     x = torch.tensor([1.0, 2.0])
     expect_unchanged(x.clone(), x)
+
+
+def test_exercise_leaves_the_global_random_state_alone():
+    """A check that seeds or draws random numbers must not shift the learner's later cells."""
+    @exercise("draws")
+    def check_draws(fn):
+        torch.manual_seed(123)
+        fn(torch.rand(5))
+
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    check_draws(lambda x: x)
+    assert torch.equal(torch.rand(3), expected)
