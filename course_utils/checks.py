@@ -130,7 +130,8 @@ def _describe_args(args: Sequence[Any]) -> str:
     return ", ".join(_describe(a) for a in args)
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
+    """A value's type as a learner would write it: int, list, torch.Tensor, numpy.ndarray."""
     kind = type(value)
     return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
@@ -155,7 +156,7 @@ def expect_tensor(
             f"{what} is a {type(got).__name__}, expected a torch.Tensor: build one with torch.stack(...) or torch.tensor(...)"
         )
     if not isinstance(got, torch.Tensor):
-        raise ExerciseFailed(f"{what} is a {_type_name(got)}, expected a torch.Tensor")
+        raise ExerciseFailed(f"{what} is a {type_name(got)}, expected a torch.Tensor")
     shape = tuple(got.shape)
     expect_shape(got, expected.shape, what=what)
     if check_dtype and got.dtype != expected.dtype:
@@ -204,7 +205,7 @@ def expect_equal(got: Any, expected: Any, *, what: str = "your result") -> None:
     if got is None and expected is not None:
         raise ExerciseFailed(f"{what} is None: did you forget to `return` it?")
     if type(got) is not type(expected) and not (isinstance(got, (int, float)) and isinstance(expected, (int, float))):
-        raise ExerciseFailed(f"{what} is a {_type_name(got)}, expected a {_type_name(expected)}")
+        raise ExerciseFailed(f"{what} is a {type_name(got)}, expected a {type_name(expected)}")
     if got != expected:
         raise ExerciseFailed(f"{what}: expected {expected!r}, got {got!r}")
 
@@ -224,7 +225,7 @@ def expect_module(
     if inspect.isclass(module) and issubclass(module, nn.Module):
         raise ExerciseFailed(f"{what} is the class {module.__name__}, expected an instance: call it, e.g. {module.__name__}()")
     if not isinstance(module, nn.Module):
-        raise ExerciseFailed(f"{what} is a {_type_name(module)}, expected a torch.nn.Module")
+        raise ExerciseFailed(f"{what} is a {type_name(module)}, expected a torch.nn.Module")
     present = {type(m) for m in module.modules()}
     for layer in layer_types:
         if not any(issubclass(p, layer) for p in present):
@@ -244,7 +245,7 @@ def expect_module(
 def expect_shape(got: Any, shape: Sequence[int], *, what: str = "your result") -> None:
     """Check only that `got` is a tensor of the given shape."""
     if not isinstance(got, torch.Tensor):
-        raise ExerciseFailed(f"{what} is a {_type_name(got)}, expected a torch.Tensor")
+        raise ExerciseFailed(f"{what} is a {type_name(got)}, expected a torch.Tensor")
     if tuple(got.shape) != tuple(shape):
         raise ExerciseFailed(f"{what}: expected shape {tuple(shape)}, got {tuple(got.shape)}{_shape_hint(tuple(got.shape), tuple(shape))}")
 

@@ -12,13 +12,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset, WeightedRandomSampler, random_split
 from torchvision.transforms import v2
 
-from course_utils.checks import ExerciseFailed, call, exercise, expect_equal, expect_shape, expect_tensor
-
-def _type_name(value: Any) -> str:
-    """A value's type as a learner would write it: int, list, torch.Tensor, ..."""
-    kind = type(value)
-    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-
+from course_utils.checks import ExerciseFailed, call, exercise, expect_equal, expect_shape, expect_tensor, type_name
 
 # Reference solutions. The checks compare the learner's answers with these.
 
@@ -113,7 +107,7 @@ def check_read_item(fn) -> None:
             what = f"read_item(root, row {row['filename']!r})"
             got = call(fn, root, row, shown=f"root, row {row['filename']!r}")
             if not isinstance(got, (tuple, list)) or len(got) != 2:
-                raise ExerciseFailed(f"{what} returned a {_type_name(got)}: return a tuple (image, label)")
+                raise ExerciseFailed(f"{what} returned a {type_name(got)}: return a tuple (image, label)")
             image, label = got
             expected_image, expected_label = read_item(root, row)
             if isinstance(image, Image.Image):
@@ -148,7 +142,7 @@ def check_pad_collate(fn) -> None:
         what = f"pad_collate(batch of sequences with lengths {list(lengths)})"
         got = call(fn, [(s.clone(), y) for s, y in batch], shown=f"batch of sequences with lengths {list(lengths)}")
         if not isinstance(got, (tuple, list)):
-            raise ExerciseFailed(f"{what} returned a {_type_name(got)}: return a tuple (padded, lengths, labels)")
+            raise ExerciseFailed(f"{what} returned a {type_name(got)}: return a tuple (padded, lengths, labels)")
         if len(got) != 3:
             missing = ": the lengths are missing" if len(got) == 2 else ""
             raise ExerciseFailed(f"{what} returned {len(got)} things, expected 3: (padded, lengths, labels){missing}")
@@ -189,9 +183,9 @@ def check_make_split(fn) -> None:
         got = call(fn, dataset, fractions, seed, shown=f"dataset of {n}, {fractions}, seed={seed}")
         global_rng_touched = not torch.equal(torch.random.get_rng_state(), state)
         if not isinstance(got, (tuple, list)) or len(got) != 2:
-            raise ExerciseFailed(f"{what} returned a {_type_name(got)}: return the pair (train, val)")
+            raise ExerciseFailed(f"{what} returned a {type_name(got)}: return the pair (train, val)")
         if _indices(got[0]) is None or _indices(got[1]) is None:
-            kinds = ", ".join(_type_name(g) for g in got)
+            kinds = ", ".join(type_name(g) for g in got)
             raise ExerciseFailed(f"{what} returned ({kinds}), expected two torch.utils.data.Subset, as random_split gives")
         expected = make_split(dataset, fractions, seed)
         sizes, expected_sizes = [len(g) for g in got], [len(e) for e in expected]
@@ -259,7 +253,7 @@ def check_balanced_loader(fn) -> None:
     shown = "dataset of 50, labels, batch_size=8, seed=0"
     loader = call(fn, dataset, labels.clone(), 8, 0, shown=shown)
     if not isinstance(loader, DataLoader):
-        raise ExerciseFailed(f"{what} returned a {_type_name(loader)}, expected a torch.utils.data.DataLoader")
+        raise ExerciseFailed(f"{what} returned a {type_name(loader)}, expected a torch.utils.data.DataLoader")
     if loader.dataset is not dataset:
         raise ExerciseFailed(f"{what}: the DataLoader does not wrap the dataset it was given")
     expect_equal(loader.batch_size, 8, what=f"{what}: its batch_size")

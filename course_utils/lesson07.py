@@ -20,7 +20,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
-from course_utils.checks import ExerciseFailed, call, exercise, expect_tensor
+from course_utils.checks import ExerciseFailed, call, exercise, expect_tensor, type_name
 
 
 # Reference solutions. The checks compare the learner's answers with these.
@@ -150,11 +150,6 @@ class _Spy:
             yield self
 
 
-def _kind(value) -> str:
-    kind = type(value)
-    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-
-
 def _params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
@@ -192,7 +187,7 @@ def check_compile_for_inference(fn) -> None:
             )
         if not isinstance(compiled, nn.Module):
             raise ExerciseFailed(
-                f"compile_for_inference returned a {_kind(compiled)}, expected a torch.nn.Module: "
+                f"compile_for_inference returned a {type_name(compiled)}, expected a torch.nn.Module: "
                 "compile the module itself, torch.compile(model), not model.forward"
             )
         if n_calls == 0:
@@ -266,7 +261,7 @@ def check_compiled_train_step(fn) -> None:
         if step is None:
             raise ExerciseFailed("compiled_train_step returned None: return the compiled step function")
         if not callable(step):
-            raise ExerciseFailed(f"compiled_train_step returned a {_kind(step)}, expected a function step(inputs, targets)")
+            raise ExerciseFailed(f"compiled_train_step returned a {type_name(step)}, expected a function step(inputs, targets)")
         if any(isinstance(target, nn.Module) for target in spy.compiled):
             raise ExerciseFailed(
                 "you compiled the model only: compile the whole step, a function doing zero_grad, forward, loss, "
@@ -287,7 +282,7 @@ def check_compiled_train_step(fn) -> None:
             "return loss.detach() and call .item() outside, when you need the number"
         )
     if not isinstance(first, torch.Tensor):
-        raise ExerciseFailed(f"step returned a {_kind(first)}, expected the loss as a tensor")
+        raise ExerciseFailed(f"step returned a {type_name(first)}, expected the loss as a tensor")
     if first.requires_grad:
         raise ExerciseFailed("the returned loss still requires grad and holds on to its graph: return loss.detach()")
     expected_model, expected_losses = _eager_steps(batches)
@@ -385,7 +380,7 @@ def check_count_compiles(fn) -> None:
             if got is None:
                 raise ExerciseFailed("count_compiles returned None: did you forget to `return` the count?")
             if isinstance(got, torch.Tensor) or isinstance(got, bool) or not isinstance(got, int):
-                raise ExerciseFailed(f"count_compiles returned a {_kind(got)}, expected a Python int")
+                raise ExerciseFailed(f"count_compiles returned a {type_name(got)}, expected a Python int")
             if got == expected:
                 if case == 1:  # a second run on new shapes shows whether the first one was forgotten
                     again = call(fn, probe, [x.clone() for x in inputs], shown=f"{description}, a second time", hints=hints)
