@@ -7,8 +7,6 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 NBVAL  := --nbval-current-env -p no:cacheprovider
-# make test SLOW=1 also runs the notebook cells tagged `slow` (AOTInductor compilation in lesson 10).
-SLOW_ARGS := $(if $(filter 1,$(SLOW)),--course-slow)
 # Jupyter refuses to run as root unless told to; containers often run as root.
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
@@ -30,9 +28,9 @@ lab: $(STAMP)
 # Unit tests (tests/test_notebooks.py also runs the learner copies: every check
 # must say "not attempted" and nothing else may fail), then the solution notebooks
 # under strict nbval: every check passes, deterministic outputs compared, no
-# DeprecationWarning or FutureWarning printed. Cells tagged `slow` are skipped unless SLOW=1.
+# DeprecationWarning or FutureWarning printed.
 test: $(TEST_STAMP)
-	$(PY) -m pytest tests notebooks/solutions --nbval $(NBVAL) --course-strict-warnings $(SLOW_ARGS)
+	$(PY) -m pytest tests notebooks/solutions --nbval $(NBVAL) --course-strict-warnings
 
 # Re-run every solution notebook to refresh its outputs, then rebuild the learner copies.
 notebooks: $(STAMP)

@@ -4,8 +4,6 @@ What it adds to an nbval run:
 - cells tagged `check:<exercise>` or `exercise:<exercise>` are reported by exercise name,
   with a one-line reason when they fail, and summed up in a scoreboard;
 - cells tagged `gpu` are skipped, with the reason, when no CUDA device is usable;
-- cells tagged `slow` (minutes of compilation, say) are skipped unless `--course-slow`
-  is given or COURSE_SLOW=1 is set; JupyterLab runs them as usual;
 - stderr (warnings) never fails an output comparison;
 - after a non-exercise cell fails, the rest of that notebook is skipped, not cascaded;
 - `--course-strict-warnings` fails a cell that prints a DeprecationWarning or FutureWarning;
@@ -23,7 +21,6 @@ import pytest
 CHECK_TAG = "check:"
 EXERCISE_TAG = "exercise:"
 GPU_TAG = "gpu"
-SLOW_TAG = "slow"
 DEPRECATION = re.compile(r"\b(DeprecationWarning|FutureWarning)\b")
 
 _cuda: bool | None = None
@@ -36,11 +33,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--course-strict-warnings",
         action="store_true",
         help="fail a notebook cell whose output contains a DeprecationWarning or FutureWarning",
-    )
-    group.addoption(
-        "--course-slow",
-        action="store_true",
-        help="also run notebook cells tagged `slow` (skipped by default; COURSE_SLOW=1 does the same)",
     )
 
 
@@ -111,12 +103,6 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             item.options["check"] = False  # CPU and GPU runs print different things
             if not _cuda_available():
                 item.add_marker(pytest.mark.skip(reason="GPU cell: no usable CUDA device on this machine"))
-        if SLOW_TAG in item.cell.metadata.get("tags", []) and not _run_slow(config):
-            item.add_marker(pytest.mark.skip(reason="slow cell: skipped by default; run with --course-slow (make test SLOW=1) to include it"))
-
-
-def _run_slow(config: pytest.Config) -> bool:
-    return config.getoption("course_slow", False) or os.environ.get("COURSE_SLOW") == "1"
 
 
 def _notebook(item: pytest.Item) -> dict:

@@ -17,7 +17,7 @@ STAND_INS = new_code_cell("class ExerciseFailed(Exception): pass\nclass Exercise
 
 @pytest.fixture(autouse=True)
 def plain_env(monkeypatch):
-    for name in ("COURSE_DEVICE", "COURSE_CHECK_MODE", "COURSE_SLOW", "PYTEST_ADDOPTS"):
+    for name in ("COURSE_DEVICE", "COURSE_CHECK_MODE", "PYTEST_ADDOPTS"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -102,25 +102,6 @@ def test_gpu_cell_skipped_without_cuda(pytester):
     result.stdout.fnmatch_lines(["SKIPPED [[]1[]] *GPU cell: no usable CUDA device on this machine*"])
     assert not (pytester.path / "gpu.txt").exists()
 
-
-
-SLOW = new_code_cell('open("slow.txt", "w").write("ran")', metadata={"tags": ["slow"]})
-
-
-def test_slow_cell_skipped_by_default(pytester):
-    result, _ = run(pytester, SLOW, new_code_cell("x = 1"))
-    result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] *slow cell: skipped by default; run with --course-slow*"])
-    assert not (pytester.path / "slow.txt").exists()
-
-
-@pytest.mark.parametrize("how", ["flag", "env"])
-def test_slow_cell_runs_on_request(pytester, monkeypatch, how):
-    if how == "env":
-        monkeypatch.setenv("COURSE_SLOW", "1")
-    result, _ = run(pytester, SLOW, new_code_cell("x = 1"), flags=["--course-slow"] if how == "flag" else [])
-    result.assert_outcomes(passed=2)
-    assert (pytester.path / "slow.txt").read_text() == "ran"
 
 def _output_cell(source, *outputs):
     return new_code_cell(source, metadata={"tags": ["nbval-check-output"]}, execution_count=1, outputs=list(outputs))
