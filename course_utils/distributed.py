@@ -1,0 +1,271 @@
+"""Local multi-process plumbing for the DDP lesson: spawn ranks, run functions on each, clean up, call torchrun.
+
+The lesson is about torch.distributed itself; this module only hides the process
+bookkeeping that a notebook needs and a cluster job does not: capturing each
+rank's printed lines, printing them in rank order, and making sure that a rank
+that hangs or dies never leaves the notebook (or CI) waiting, or a process behind.
+"""
+
+import contextlib
+import io
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+# Children read these before importing torch: one thread each (two ranks share two cores),
+# and no C++ log lines below ERROR level.
+_CHILD_ENV = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankError(RuntimeError):
+    """A function raised on one or more ranks; the message gives each rank's error."""
+
+
+def _child(rank: int, world_size: int, port: int, backend: str, pg_timeout: float, tasks, results, log_dir: str) -> None:
+    """The body of one spawned rank: join the group, run tasks until told to stop, leave the group."""
+    # C++ code (gloo, c10d) writes to the process's file descriptors 1 and 2, not to sys.stdout:
+    # send them to a file, so that nothing interleaves with the notebook's output.
+    log = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout))
+        except Exception as err:
+            results.put((rank, "init", None, "", f"{type(err).__name__}: {err}"))
+            return
+        results.put((rank, "init", None, "", None))
+        while True:
+            task = tasks.get()
+            if task is None:
+                return
+            fn, args = pickle.loads(task)
+            buffer = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(buffer):
+                    value = fn(rank, world_size, *args)
+                results.put((rank, "done", pickle.dumps(value), buffer.getvalue(), None))
+            except BaseException as err:  # noqa: BLE001 -- reported to the parent, which raises
+                lines = traceback.format_exception_only(type(err), err)
+                results.put((rank, "done", None, buffer.getvalue(), "".join(lines).strip()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Workers:
+    """`world_size` spawned processes joined in one process group; run(fn, *args) calls fn(rank, world_size, *args) on each.
+
+    The processes start once (importing torch costs seconds) and stay up until close(),
+    like the ranks of a training job. Use it as a context manager, or call close().
+    """
+
+    def __init__(self, world_size: int = 2, *, backend: str = "gloo", timeout: float = 60.0, pg_timeout: float = 30.0):
+        self.world_size = world_size
+        self.timeout = timeout
+        self.port = free_port()
+        self._log_dir = tempfile.TemporaryDirectory(prefix="course-ranks-")
+        ctx = multiprocessing.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self.processes = []
+        old_env = {k: os.environ.get(k) for k in _CHILD_ENV}
+        os.environ.update(_CHILD_ENV)
+        try:
+            for rank in range(world_size):
+                p = ctx.Process(target=_child, name=f"rank{rank}", daemon=True,
+                                args=(rank, world_size, self.port, backend, pg_timeout, self._tasks[rank], self._results, self._log_dir.name))
+                p.start()
+                self.processes.append(p)
+        finally:
+            for k, v in old_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        try:
+            self._collect("init", timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _collect(self, kind: str, timeout: float) -> dict[int, tuple[Any, str, str | None]]:
+        """Wait for one reply of `kind` from every rank; kill every rank if one dies or the time runs out."""
+        deadline = time.monotonic() + timeout
+        replies: dict[int, tuple[Any, str, str | None]] = {}
+        while len(replies) < self.world_size:
+            try:
+                rank, got_kind, value, output, error = self._results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [p.name for p in self.processes if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    waiting = sorted(set(range(self.world_size)) - set(replies))
+                    codes = [p.exitcode for p in self.processes]
+                    self.close(timeout=1.0)   # a rank is stuck or gone: no use waiting long
+                    if dead:
+                        raise RankError(f"{', '.join(dead)} exited (exit codes {codes}); "
+                                        f"no answer from ranks {waiting}; every rank was stopped") from None
+                    raise TimeoutError(f"ranks {waiting} did not finish within {timeout:g} s; every rank was stopped") from None
+                continue
+            if got_kind == kind:
+                replies[rank] = (value, output, error)
+                if kind == "init" and error:     # the others would wait for it until their own timeout
+                    self.close(timeout=1.0)   # a rank is stuck or gone: no use waiting long
+                    raise RankError(f"rank {rank} could not join the process group: {error}")
+        return replies
+
+    def run(self, fn: Callable, *args: Any, timeout: float | None = None, show: bool = True) -> list[Any]:
+        """Call fn(rank, world_size, *args) on every rank; print what each printed as [rank N] lines; return the values."""
+        if not self.processes:
+            raise RuntimeError("these workers are closed; start new ones")
+        payload = pickle.dumps((fn, args))  # fn must be importable: defined in a module, not in the notebook
+        for q in self._tasks:
+            q.put(payload)
+        replies = self._collect("done", self.timeout if timeout is None else timeout)
+        if show:
+            print_rank_lines({rank: output for rank, (_, output, _) in replies.items()})
+        errors = {rank: err for rank, (_, _, err) in replies.items() if err}
+        if errors:
+            raise RankError("; ".join(f"rank {r} raised {e.splitlines()[-1]}" for r, e in sorted(errors.items())))
+        return [pickle.loads(replies[rank][0]) for rank in range(self.world_size)]
+
+    def alive(self) -> int:
+        """How many of the rank processes are still running."""
+        return sum(p.is_alive() for p in self.processes)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask every rank to leave the group and exit; terminate, then kill, any that do not."""
+        if not self.processes:
+            return
+        for q in self._tasks:
+            with contextlib.suppress(Exception):
+                q.put(None)
+        deadline = time.monotonic() + timeout
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(2)
+            if p.is_alive():
+                p.kill()
+                p.join(2)
+        for q in (*self._tasks, self._results):
+            q.close()
+            q.join_thread()
+        self.processes = []
+        self._log_dir.cleanup()
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _CapturedStderr:
+    def __init__(self):
+        self.file = tempfile.TemporaryFile()
+
+    def text(self) -> str:
+        """Everything written so far to the captured stderr."""
+        self.file.seek(0)
+        return self.file.read().decode(errors="replace")
+
+
+@contextlib.contextmanager
+def child_stderr() -> Iterator[_CapturedStderr]:
+    """Processes started inside the block write their stderr (fd 2) to a file; read it later with .text()."""
+    captured = _CapturedStderr()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(captured.file.fileno(), 2)
+    try:
+        yield captured
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def print_rank_lines(outputs: dict[int, str]) -> None:
+    """Print each rank's text, every line prefixed with [rank N], in rank order."""
+    for rank in sorted(outputs):
+        for line in outputs[rank].splitlines():
+            print(f"[rank {rank}] {line}")
+
+
+def launch(worker: Callable, world_size: int = 2, args: Sequence[Any] = (), timeout: float = 60.0) -> list[Any]:
+    """Start `world_size` gloo ranks, run worker(rank, world_size, *args) on each, stop them; return the values."""
+    with Workers(world_size, timeout=timeout) as workers:
+        return workers.run(worker, *args)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below pid, from /proc (Linux); empty elsewhere."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _stop_tree(proc: subprocess.Popen) -> None:
+    """Stop torchrun and its ranks: torchrun starts each rank in a session of its own, so killing its group is not enough."""
+    ranks = _descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)      # torchrun forwards SIGTERM to its ranks
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in [proc.pid, *ranks, *_descendants(proc.pid)]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def torchrun(module: str, nproc: int = 2, args: Sequence[str] = (), timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """Run `python -m torch.distributed.run --standalone --nproc-per-node=N -m module args`; return the finished process."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", module, *args]
+    env = {**os.environ, **_CHILD_ENV}
+    # start_new_session: on a timeout, the launcher and every rank it started are killed together.
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True, cwd=Path(__file__).resolve().parent.parent) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop_tree(proc)
+            out, err = proc.communicate()
+            raise TimeoutError(f"torchrun {module} did not finish within {timeout:g} s; it was killed. Last output: {out[-500:]}{err[-500:]}") from None
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)

@@ -1,0 +1,143 @@
+"""course_utils.distributed: ranks start, run, report and always stop; torchrun runs the course's script."""
+
+import os
+import socket
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_utils import distributed
+from course_utils.distributed import RankError, Workers
+
+
+# Functions the spawned ranks import from this module.
+
+def rank_and_sum(rank: int, world_size: int, offset: float) -> tuple[int, float]:
+    print(f"line one of rank {rank}")
+    print("line two")
+    x = torch.tensor([rank + offset])
+    dist.all_reduce(x)
+    return rank, x.item()
+
+
+def fail_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("bad input on rank one")
+
+
+def sleep_forever(rank: int, world_size: int) -> None:
+    time.sleep(3600)
+
+
+def exit_on_rank_zero(rank: int, world_size: int) -> None:
+    if rank == 0:
+        os._exit(3)
+    time.sleep(3600)
+
+
+def noisy_stderr(rank: int, world_size: int) -> int:
+    os.write(2, b"C++ noise on fd 2\n")
+    return rank
+
+
+def test_free_port_can_be_bound():
+    port = distributed.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_launch_runs_on_every_rank_and_prints_in_rank_order(capsys):
+    values = distributed.launch(rank_and_sum, world_size=2, args=(10.0,))
+    assert values == [(0, 21.0), (1, 21.0)]
+    assert capsys.readouterr().out.splitlines() == [
+        "[rank 0] line one of rank 0", "[rank 0] line two", "[rank 1] line one of rank 1", "[rank 1] line two"]
+
+
+def test_workers_run_several_tasks_then_close_leaving_no_process(capfd):
+    with Workers(2) as workers:
+        assert workers.alive() == 2
+        assert workers.run(rank_and_sum, 0.5, show=False) == [(0, 2.0), (1, 2.0)]
+        assert workers.run(noisy_stderr, show=False) == [0, 1]
+        processes = list(workers.processes)
+    assert not any(p.is_alive() for p in processes)
+    assert "C++ noise" not in capfd.readouterr().err     # the ranks' fd 2 goes to a log file, not to the notebook
+
+
+def test_an_error_on_one_rank_is_reported_and_the_workers_go_on():
+    with Workers(2) as workers:
+        with pytest.raises(RankError, match="rank 1 raised ValueError: bad input on rank one"):
+            workers.run(fail_on_rank_one, show=False)
+        assert workers.run(rank_and_sum, 0.0, show=False) == [(0, 1.0), (1, 1.0)]
+
+
+def test_a_hanging_rank_is_stopped_after_the_timeout():
+    workers = Workers(2)
+    processes = list(workers.processes)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 2 s; every rank was stopped"):
+        workers.run(sleep_forever, timeout=2, show=False)
+    assert time.monotonic() - start < 20
+    assert not any(p.is_alive() for p in processes)
+    assert workers.alive() == 0
+
+
+def test_a_rank_that_dies_stops_all_of_them():
+    workers = Workers(2)
+    processes = list(workers.processes)
+    with pytest.raises(RankError, match="rank0 exited"):
+        workers.run(exit_on_rank_zero, timeout=60, show=False)
+    assert not any(p.is_alive() for p in processes)
+
+
+def test_a_busy_port_is_one_clear_error():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        original = distributed.free_port
+        distributed.free_port = lambda: port
+        try:
+            start = time.monotonic()
+            with pytest.raises(RankError, match="rank 0 could not join the process group: .*EADDRINUSE"):
+                Workers(2, timeout=30)
+            assert time.monotonic() - start < 25
+        finally:
+            distributed.free_port = original
+
+
+def test_child_stderr_captures_a_spawned_process():
+    import multiprocessing
+
+    with distributed.child_stderr() as captured:
+        child = multiprocessing.get_context("spawn").Process(target=os.abort)
+        child.start()
+    child.join(30)
+    assert child.exitcode != 0
+    text = captured.text()
+    assert isinstance(text, str)
+
+
+def test_print_rank_lines_orders_by_rank(capsys):
+    distributed.print_rank_lines({1: "b\n", 0: "a1\na2\n"})
+    assert capsys.readouterr().out == "[rank 0] a1\n[rank 0] a2\n[rank 1] b\n"
+
+
+def test_torchrun_runs_the_training_script(tmp_path):
+    out = tmp_path / "weights.pt"
+    finished = distributed.torchrun("course_utils.train_ddp", nproc=2, args=["--epochs", "1", "--out", str(out)], timeout=180)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    lines = finished.stdout.splitlines()
+    assert lines[0].startswith("2 ranks, backend gloo")
+    assert any(line.startswith("epoch 1/1: train loss") for line in lines)
+    assert lines[-1] == "saved weights.pt"
+    from course_utils.train_ddp import make_model
+
+    make_model().load_state_dict(torch.load(out, weights_only=True))
+
+
+def test_torchrun_timeout_kills_the_launcher_and_its_ranks():
+    with pytest.raises(TimeoutError, match="did not finish within 3 s"):
+        distributed.torchrun("course_utils.train_ddp", nproc=2, args=["--epochs", "50"], timeout=3)
