@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -46,6 +47,7 @@ def _child(rank: int, world_size: int, port: int, backend: str, pg_timeout: floa
     log = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    _exit_with_parent()
     import torch
     import torch.distributed as dist
 
@@ -74,6 +76,18 @@ def _child(rank: int, world_size: int, port: int, backend: str, pg_timeout: floa
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit_with_parent() -> None:
+    """Exit as soon as the process that started this one is gone (a kernel killed with SIGKILL runs no clean-up)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 class Workers:

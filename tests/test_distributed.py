@@ -1,9 +1,12 @@
 """course_utils.distributed: ranks start, run, report and always stop; torchrun runs the course's script."""
 
 import os
+import signal
 import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +94,42 @@ def test_a_rank_that_dies_stops_all_of_them():
         workers.run(exit_on_rank_zero, timeout=60, show=False)
     assert not any(p.is_alive() for p in processes)
 
+
+
+ORPHAN_PARENT = """
+import sys, time
+from course_utils.distributed import Workers
+workers = Workers(2)
+print(*[p.pid for p in workers.processes], flush=True)
+time.sleep(120)
+"""
+
+
+def test_ranks_exit_when_their_parent_is_killed():
+    """A kernel killed with SIGKILL runs no clean-up; its ranks notice that their parent is gone and exit."""
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN_PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [pid for pid in pids if _running(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"rank processes {alive} outlived their parent"
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a process that has not exited (a zombie has exited)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 def test_a_busy_port_is_one_clear_error():
     with socket.socket() as busy:
