@@ -6,7 +6,6 @@ from a notebook.
 """
 
 import contextlib
-import copy
 import math
 import os
 import re

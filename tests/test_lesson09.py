@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from course_utils import lesson09 as L
 from course_utils.checks import ExerciseFailed
