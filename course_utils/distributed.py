@@ -238,15 +238,22 @@ def launch(worker: Callable, world_size: int = 2, args: Sequence[Any] = (), time
         return workers.run(worker, *args)
 
 
+def process_status(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state letter such as 'R', 'S' or 'Z' for an exited zombie) from /proc (Linux); None if there is no such process."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), fields[0]
+
+
 def _descendants(pid: int) -> list[int]:
     """The processes below pid, from /proc (Linux); empty elsewhere."""
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    for entry in Path("/proc").glob("[0-9]*"):
+        status = process_status(int(entry.name))
+        if status:
+            children.setdefault(status[0], []).append(int(entry.name))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

@@ -6,7 +6,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -125,11 +124,9 @@ def test_ranks_exit_when_their_parent_is_killed():
 
 def _running(pid: int) -> bool:
     """Whether pid is a process that has not exited (a zombie has exited)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    status = distributed.process_status(pid)
+    return status is not None and status[1] != "Z"
+
 
 def test_a_busy_port_is_one_clear_error():
     with socket.socket() as busy:
@@ -180,3 +177,13 @@ def test_torchrun_runs_the_training_script(tmp_path):
 def test_torchrun_timeout_kills_the_launcher_and_its_ranks():
     with pytest.raises(TimeoutError, match="did not finish within 3 s"):
         distributed.torchrun("course_utils.train_ddp", nproc=2, args=["--epochs", "50"], timeout=3)
+
+
+def test_process_status_reads_parent_and_state():
+    assert distributed.process_status(os.getpid()) == (os.getppid(), "R")   # this process is running now
+    zombie = subprocess.Popen(["true"])
+    while distributed.process_status(zombie.pid)[1] != "Z":   # exited, not yet waited for
+        time.sleep(0.05)
+    assert distributed.process_status(zombie.pid) == (os.getpid(), "Z")
+    zombie.wait()
+    assert distributed.process_status(zombie.pid) is None

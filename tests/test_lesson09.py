@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from course_utils import lesson09 as L
 from course_utils.checks import ExerciseFailed
+from course_utils.distributed import process_status
 from lesson_contract import assert_names_fault, contract_tests
 
 PAIRS = [
@@ -395,21 +396,12 @@ NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "solutions" / 
 PR_SET_CHILD_SUBREAPER = 36  # from <linux/prctl.h>
 
 
-def _stat(pid: str) -> tuple[int, str] | None:
-    """(parent pid, state letter) of a process, from /proc/PID/stat."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[1]), fields[0]
-
-
 def _living_children() -> dict[int, str]:
     """This process's children that are still running (not zombies), with their command lines."""
     found = {}
     for entry in Path("/proc").iterdir():
-        stat = _stat(entry.name) if entry.name.isdigit() else None
-        if stat and stat[0] == os.getpid() and stat[1] != "Z":
+        status = process_status(int(entry.name)) if entry.name.isdigit() else None
+        if status and status[0] == os.getpid() and status[1] != "Z":
             try:
                 found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
             except OSError:
