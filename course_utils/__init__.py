@@ -1,8 +1,9 @@
 """Helpers for the hands-on PyTorch course.
 
-Shared plumbing lives in modules named for what they do (device, data,
-reproducibility, benchmarking, plotting, checks); each lesson's exercise checks
-and reference solutions live in its own module (lesson00, lesson01, ...).
+What the lessons import lives in modules named for what they do (device, data,
+reproducibility, benchmarking, plotting, training, distributed); each lesson's
+exercise checks and reference solutions live in a module of its own (lesson00,
+lesson01, ...); the checker and the course's tooling live in course_utils.tooling.
 """
 
 import os

@@ -1,6 +1,6 @@
 """The %%gpu cell magic: run a cell on a CUDA machine, step aside with a reason elsewhere.
 
-Cells tagged `gpu` start with `%%gpu`. nbval (through course_utils.pytest_plugin)
+Cells tagged `gpu` start with `%%gpu`. nbval (through course_utils.tooling.pytest_plugin)
 reports them as skipped on a CPU; in JupyterLab the magic prints one line instead
 of a traceback, so "Run All" carries on past them.
 """

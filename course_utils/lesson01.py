@@ -2,7 +2,9 @@
 
 import torch
 
-from course_utils.checks import ExerciseFailed, call, exercise, expect_function, expect_tensor, expect_unchanged
+from course_utils.tooling.checks import ExerciseFailed, call, exercise, expect_function, expect_tensor, expect_unchanged, scoreboard_for
+
+scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
 
 def _cases(*shapes: tuple[int, ...], seed: int = 1) -> list[torch.Tensor]:

@@ -4,7 +4,9 @@ from typing import Callable
 
 import torch
 
-from course_utils.checks import ExerciseFailed, call, exercise, expect_tensor
+from course_utils.tooling.checks import ExerciseFailed, call, exercise, expect_tensor, scoreboard_for
+
+scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
 # Reference solutions. The checks compare the learner's answers with these.
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_utils.checks import (
+from course_utils.tooling.checks import (
     ExerciseFailed,
     call,
     exercise,
@@ -17,7 +17,10 @@ from course_utils.checks import (
     expect_shape,
     expect_tensor,
     expect_unchanged,
+    scoreboard_for,
 )
+
+scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
 
 @contextmanager
@@ -27,9 +30,9 @@ def _seeded(seed: int) -> Iterator[None]:
     yield
 
 
-def _call(fn: Any, *args, shown: str, name: str | None = None) -> Any:
+def _call(fn: Any, *args, shown: str, name: str | None = None, kind: str = "function") -> Any:
     """checks.call, describing the (module) arguments by `shown`."""
-    return call(fn, *args, shown=shown, name=name)
+    return call(fn, *args, shown=shown, name=name, kind=kind)
 
 
 def _n_params(module: nn.Module) -> int:
@@ -114,7 +117,7 @@ def check_make_mlp(fn) -> None:
                 raise ExerciseFailed(f"{what}'s Linear layers have no bias: keep the default bias=True")
             expect_module(model, what=what, n_params=n_params)
             x = torch.randn(4, n_in)
-            out = _call(model, x, shown=f"tensor of shape (4, {n_in})", name=what + "'s model")
+            out = _call(model, x, shown=f"tensor of shape (4, {n_in})", name=what + "'s model", kind="module")
             expect_shape(out, (4, n_out), what=f"{what}'s output for an input of shape (4, {n_in})")
             first, second = linears
             expected = second(torch.relu(first(x)))
@@ -298,7 +301,7 @@ def check_make_residual(fn) -> None:
             expect_module(block, what=what, n_params=2 * (9 * c * c + c))
             x = torch.randn(2, c, 8, 8)
             x0 = x.clone()
-            out = _call(block, x, shown=f"tensor of shape {tuple(x.shape)}", name=f"{what}'s module")
+            out = _call(block, x, shown=f"tensor of shape {tuple(x.shape)}", name=f"{what}'s module", kind="module")
             expect_unchanged(x0, x, what=f"{what}'s forward")
             expect_shape(out, x0.shape, what=f"{what}'s output for an input of shape {tuple(x0.shape)}")
             first, second = convs

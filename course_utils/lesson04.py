@@ -12,7 +12,9 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset, WeightedRandomSampler, random_split
 from torchvision.transforms import v2
 
-from course_utils.checks import ExerciseFailed, call, exercise, expect_equal, expect_shape, expect_tensor, type_name
+from course_utils.tooling.checks import ExerciseFailed, call, exercise, expect_equal, expect_shape, expect_tensor, type_name, scoreboard_for
+
+scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
 # Reference solutions. The checks compare the learner's answers with these.
 
@@ -72,6 +74,8 @@ def check_count_batches(fn) -> None:
             got = call(fn, n, batch_size, drop_last)
             expected = count_batches(n, batch_size, drop_last)
             what = f"count_batches({n}, {batch_size}, drop_last={drop_last})"
+            if not isinstance(got, (int, float)) or isinstance(got, bool):
+                expect_equal(got, expected, what=what)
             if isinstance(got, float) and got == expected:
                 raise ExerciseFailed(f"{what} is the float {got!r}: a number of batches is an int; use // or math.ceil")
             if got == count_batches(n, batch_size, not drop_last) and got != expected:

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from course_utils.checks import ExerciseFailed, call, exercise, expect_equal, expect_tensor
+from course_utils.tooling.checks import ExerciseFailed, call, exercise, expect_equal, expect_tensor, scoreboard_for
+
+scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
 
 # Reference solutions. The checks compare the learner's answers with these.
@@ -326,6 +328,8 @@ def check_early_stop(fn) -> None:
             raise ExerciseFailed(f"{what} is a tensor, expected a Python bool: call .item() on it")
         if got is not None and not isinstance(got, bool) and type(got).__name__ in ("bool_", "bool"):
             raise ExerciseFailed(f"{what} is a {_kind(got)}, expected a Python bool: wrap it in bool(...)")
+        if not isinstance(got, bool):
+            expect_equal(got, expected, what=what)
         if got == expected:
             continue
         if losses == [1.0, 0.5, 0.6, 0.7] and got is False:

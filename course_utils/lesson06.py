@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_utils.checks import ExerciseFailed, call, exercise, expect_equal, expect_tensor
+from course_utils.tooling.checks import ExerciseFailed, call, exercise, expect_equal, expect_tensor, type_name, scoreboard_for
+
+scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
 
 # Reference solutions. The checks compare the learner's answers with these.
@@ -166,6 +168,8 @@ def check_fits_in_range(fn) -> None:
             raise ExerciseFailed(f"{what} is a tensor, expected a Python bool: wrap the comparison in bool(...) or call .item()")
         if got is not None and not isinstance(got, bool) and type(got).__name__ in ("bool_", "bool"):
             raise ExerciseFailed(f"{what} is a {_kind(got)}, expected a Python bool: wrap it in bool(...)")
+        if not isinstance(got, bool):
+            expect_equal(got, fits_in_range(x.clone(), dtype), what=what)
         answers.append(got)
     expected = [fits_in_range(x, d) for x, d in _RANGE_CASES]
     if answers == expected:
@@ -278,7 +282,8 @@ def check_saved_bytes(fn) -> None:
         if got is None:
             raise ExerciseFailed(f"{what} is None: did you forget to `return` the total?")
         if isinstance(got, bool) or not isinstance(got, (int, float)) or (isinstance(got, float) and not got.is_integer()):
-            raise ExerciseFailed(f"{what} is {got!r}, expected a whole number of bytes (a Python int)")
+            shown = repr(got) if isinstance(got, (int, float, str)) else f"a {type_name(got)}"
+            raise ExerciseFailed(f"{what} is {shown}, expected a whole number of bytes (a Python int)")
         if got == expected:
             continue
         if got == 0:

@@ -20,7 +20,9 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
-from course_utils.checks import ExerciseFailed, call, exercise, expect_tensor, type_name
+from course_utils.tooling.checks import ExerciseFailed, call, exercise, expect_tensor, type_name, scoreboard_for
+
+scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
 
 # Reference solutions. The checks compare the learner's answers with these.
@@ -202,8 +204,8 @@ def check_compile_for_inference(fn) -> None:
                 "warm the compiled model up by calling it once on `example`"
             )
         with torch.no_grad():
-            got = call(compiled, later.clone(), name="the compiled model", shown="a batch of shape (8, 6)")
-            call(compiled, later.clone(), name="the compiled model", shown="a batch of shape (8, 6)")
+            got = call(compiled, later.clone(), name="the compiled model", shown="a batch of shape (8, 6)", kind="callable")
+            call(compiled, later.clone(), name="the compiled model", shown="a batch of shape (8, 6)", kind="callable")
     if len(spy.compiled) > n_calls:
         raise ExerciseFailed("torch.compile ran again while the model ran: compile once, in compile_for_inference, and return that module")
     if len(spy.graphs) > n_graphs:

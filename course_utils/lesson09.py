@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data.distributed import DistributedSampler
 
-from course_utils.checks import ExerciseFailed, call, exercise, type_name
+from course_utils.tooling.checks import ExerciseFailed, call, exercise, type_name, scoreboard_for
+
+scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
 
 # Reference solutions. The checks compare the learner's answers with these.

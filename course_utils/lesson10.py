@@ -12,7 +12,9 @@ import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
 
-from course_utils.checks import ExerciseFailed, call, exercise, expect_tensor, type_name
+from course_utils.tooling.checks import ExerciseFailed, call, exercise, expect_tensor, type_name, scoreboard_for
+
+scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
 
 # Reference solutions. The checks compare the learner's answers with these.

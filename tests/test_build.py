@@ -1,10 +1,10 @@
-"""course_utils.build: from a solution notebook to the learner copy."""
+"""course_utils.tooling.build: from a solution notebook to the learner copy."""
 
 import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from course_utils.build import BuildError, learner_copy, learner_path, solution_blocks, stub, tag_source
+from course_utils.tooling.build import BuildError, learner_copy, learner_path, solution_blocks, stub, tag_source
 
 SOLUTION_CELL = '''import torch
 
@@ -189,7 +189,7 @@ def test_learner_path(tmp_path):
 
 
 def test_build_writes_tagged_source_and_learner_copy(tmp_path):
-    from course_utils.build import build
+    from course_utils.tooling.build import build
 
     solutions = tmp_path / "notebooks" / "solutions"
     solutions.mkdir(parents=True)

@@ -1,10 +1,10 @@
-"""course_utils.checks: every fault a learner can make becomes one line naming the exercise."""
+"""course_utils.tooling.checks: every fault a learner can make becomes one line naming the exercise."""
 
 import pytest
 import torch
 from torch import nn
 
-from course_utils.checks import (
+from course_utils.tooling.checks import (
     ExerciseFailed,
     ExerciseNotAttempted,
     call,

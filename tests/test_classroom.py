@@ -1,11 +1,11 @@
-"""course_utils.classroom: offline static HTML of the solution notebooks, plus a course map."""
+"""course_utils.tooling.classroom: offline static HTML of the solution notebooks, plus a course map."""
 
 import re
 
 import pytest
 
-from course_utils.build import source_notebooks
-from course_utils.classroom import build_html, external_references
+from course_utils.tooling.build import source_notebooks
+from course_utils.tooling.classroom import build_html, external_references
 
 EXTERNAL_SCRIPT_OR_STYLE = re.compile(
     r"""<script\b[^>]*\bsrc\s*=\s*["']?(?:https?:)?//|<link\b[^>]*\bhref\s*=\s*["']?(?:https?:)?//|@import\s+(?:url\()?["']?(?:https?:)?//|\bimport\b[^;\n]*["'](?:https?:)?//""",

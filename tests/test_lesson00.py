@@ -3,7 +3,7 @@
 import pytest
 
 from course_utils import lesson00
-from course_utils.checks import ExerciseFailed
+from course_utils.tooling.checks import ExerciseFailed
 from lesson_contract import contract_tests
 
 
@@ -12,7 +12,7 @@ PAIRS = [
     (lesson00.check_mean_value, lesson00.mean_value),
 ]
 
-(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line,
+(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line, test_hostile_answers_are_the_learners_fault,
  test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from course_utils import lesson02 as L
-from course_utils.checks import ExerciseFailed, ExerciseNotAttempted
+from course_utils.tooling.checks import ExerciseFailed, ExerciseNotAttempted
 from lesson_contract import assert_names_fault, contract_tests
 
 PAIRS = [
@@ -17,7 +17,7 @@ PAIRS = [
 ]
 
 
-(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line,
+(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line, test_hostile_answers_are_the_learners_fault,
  test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS)
 
 

@@ -23,7 +23,7 @@ PAIRS = [
     (L.check_balanced_loader, L.balanced_loader),
 ]
 
-(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line,
+(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line, test_hostile_answers_are_the_learners_fault,
  test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS)
 
 
@@ -147,7 +147,7 @@ WRONG = [
     (L.check_count_batches, lambda n, b, drop_last: math.ceil(n / b) if drop_last else n // b, "drop_last=False keeps the last"),
     (L.check_count_batches, lambda n, b, drop_last: n // b, "drop_last=False keeps the last"),
     (L.check_count_batches, lambda n, b, drop_last: n // b if drop_last else n // b + 1, "fill exactly 2 batches"),
-    (L.check_count_batches, lambda n, b, drop_last: n // b if drop_last else n / b, r"expected 23, got 22\.46875"),
+    (L.check_count_batches, lambda n, b, drop_last: n // b if drop_last else n / b, r"is a float \(22\.46875\), expected an int"),
     (L.check_count_batches, lambda n, b, drop_last: float(L.count_batches(n, b, drop_last)), "is the float 23.0"),
     (L.check_count_batches, lambda n, b, drop_last: torch.tensor(L.count_batches(n, b, drop_last)), r"call \.item\(\)"),
     (L.check_count_batches, lambda n, b, drop_last: -(-n // b) if not drop_last else n // b, None),  # a correct alternative

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from course_utils import lesson05 as L
-from course_utils.checks import ExerciseFailed
+from course_utils.tooling.checks import ExerciseFailed
 from course_utils.data import classification_datasets
 from course_utils.reproducibility import seed_everything
 from course_utils.training import fit
@@ -24,7 +24,7 @@ PAIRS = [
     (L.check_early_stop, L.early_stop),
 ]
 
-(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line,
+(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line, test_hostile_answers_are_the_learners_fault,
  test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS, max_seconds=1.0)
 
 

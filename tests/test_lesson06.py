@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from course_utils import lesson06 as L
-from course_utils.checks import ExerciseFailed
+from course_utils.tooling.checks import ExerciseFailed
 from lesson_contract import assert_names_fault, contract_tests
 
 PAIRS = [
@@ -22,7 +22,7 @@ PAIRS = [
     (L.check_accumulate_scaled, L.accumulate_scaled),
 ]
 
-(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line,
+(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line, test_hostile_answers_are_the_learners_fault,
  test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS, max_seconds=1.0)
 
 

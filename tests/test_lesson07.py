@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_utils import lesson07 as L
-from course_utils.checks import ExerciseFailed
+from course_utils.tooling.checks import ExerciseFailed
 from lesson_contract import assert_names_fault, contract_tests
 
 PAIRS = [
@@ -23,7 +23,7 @@ PAIRS = [
     (L.check_mark_batch_dynamic, L.mark_batch_dynamic),
 ]
 
-(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line,
+(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line, test_hostile_answers_are_the_learners_fault,
  test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS, max_seconds=10.0)
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from course_utils import lesson09 as L
-from course_utils.checks import ExerciseFailed
+from course_utils.tooling.checks import ExerciseFailed
 from course_utils.distributed import process_status
 from lesson_contract import assert_names_fault, contract_tests
 
@@ -25,7 +25,7 @@ PAIRS = [
     (L.check_save_on_rank0, L.save_on_rank0),
 ]
 
-(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line,
+(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line, test_hostile_answers_are_the_learners_fault,
  test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS, max_seconds=2.0)
 
 

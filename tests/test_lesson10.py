@@ -22,7 +22,7 @@ PAIRS = [
     (L.check_onnx_max_abs_diff, L.onnx_max_abs_diff),
 ]
 
-(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line,
+(test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line, test_hostile_answers_are_the_learners_fault,
  test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS, max_seconds=2.0)
 
 

@@ -9,7 +9,7 @@ import sys
 import nbformat
 import pytest
 
-from course_utils.build import BEGIN, END, learner_copy, learner_path, solution_blocks, source_notebooks, tag_source
+from course_utils.tooling.build import BEGIN, END, learner_copy, learner_path, solution_blocks, source_notebooks, tag_source
 
 SOURCES = source_notebooks()
 IDS = [s.stem for s in SOURCES]

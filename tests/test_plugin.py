@@ -1,4 +1,4 @@
-"""course_utils.pytest_plugin, end to end: nbval runs tiny notebooks in a subprocess with the plugin loaded."""
+"""course_utils.tooling.pytest_plugin, end to end: nbval runs tiny notebooks in a subprocess with the plugin loaded."""
 
 import json
 
@@ -10,7 +10,7 @@ from nbformat.v4 import new_code_cell, new_notebook, new_output
 pytestmark = pytest.mark.slow
 
 # The real exception classes (importing them costs the kernel a torch import, ~2 s)...
-IMPORT = new_code_cell("from course_utils.checks import ExerciseFailed, ExerciseNotAttempted")
+IMPORT = new_code_cell("from course_utils.tooling.checks import ExerciseFailed, ExerciseNotAttempted")
 # ...and stand-ins: the plugin goes by the exception's class name and message, as the kernel reports them.
 STAND_INS = new_code_cell("class ExerciseFailed(Exception): pass\nclass ExerciseNotAttempted(ExerciseFailed): pass")
 

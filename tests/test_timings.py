@@ -1,9 +1,9 @@
-"""course_utils.timings: the README's course map is written from measurements."""
+"""course_utils.tooling.timings: the README's course map is written from measurements."""
 
 import pytest
 
 from course_utils import timings
-from course_utils.build import source_notebooks
+from course_utils.tooling.build import source_notebooks
 
 
 def test_write_readme_replaces_only_the_marked_table(tmp_path):

@@ -1,4 +1,4 @@
-"""course_utils.workspace: progress, and the promise that no learner file is lost."""
+"""course_utils.tooling.workspace: progress, and the promise that no learner file is lost."""
 
 import hashlib
 import os
@@ -11,7 +11,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from course_utils import workspace
-from course_utils.build import build, learner_path
+from course_utils.tooling.build import build, learner_path
 
 SOLUTION = 'def add_one(x):\n    """x + 1."""\n    ### BEGIN SOLUTION\n    return x + 1\n    ### END SOLUTION'
 CHECK = "lesson00.check_add_one(add_one)"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import nbformat
 
-from course_utils.build import learner_path, root, source_notebooks
+from course_utils.tooling.layout import learner_path, root, source_notebooks
 
 START, END = "<!-- course-map:start -->", "<!-- course-map:end -->"
 

@@ -1,15 +1,19 @@
-"""Turn each source notebook (the solution copy) into the learner copy.
+"""Turn each source notebook (the solution copy) into the course's learner copy.
 
 Source: notebooks/solutions/NN_name.ipynb, with every solution inside a function
-body between `### BEGIN SOLUTION` and `### END SOLUTION`, and a check cell that
-calls `lessonNN.check_<exercise>(...)`. The learner copy, notebooks/NN_name.ipynb,
-has each solution replaced by `raise NotImplementedError`, no outputs, and the
-exercise tags the checker plugin reads.
+body between `### BEGIN SOLUTION` and `### END SOLUTION`, a check cell that
+calls `lessonNN.check_<exercise>(...)`, and a last code cell `lessonNN.scoreboard()`.
+The learner copy, notebooks/NN_name.ipynb, has each solution replaced by
+`raise NotImplementedError()`, no outputs, the exercise tags the checker reads,
+and the lesson's number in its metadata. Learners never work in it: their own
+copies live in work/ (course_utils.tooling.workspace), which no build touches.
 """
 
 import copy
 import re
 from pathlib import Path
+
+from course_utils.tooling.layout import learner_path, lesson_of_path, source_notebooks, write_atomic
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
@@ -21,21 +25,6 @@ SOURCE_ONLY_TAGS = ("nbval-ignore-output", "nbval-check-output")  # output check
 
 class BuildError(Exception):
     """A source notebook breaks the authoring conventions."""
-
-
-def root() -> Path:
-    """The course's top folder."""
-    return Path(__file__).resolve().parent.parent
-
-
-def source_notebooks() -> list[Path]:
-    """Every source (solution) notebook, in lesson order."""
-    return sorted((root() / "notebooks" / "solutions").glob("[0-9][0-9]_*.ipynb"))
-
-
-def learner_path(source: Path) -> Path:
-    """Where the learner copy of a source notebook lives."""
-    return source.parent.parent / source.name
 
 
 def stub(source: str, where: str = "cell") -> str:
@@ -100,6 +89,10 @@ def tag_source(nb) -> list[str]:
             (exercises if kind == "exercise" else checked).append(name)
     if sorted(exercises) != sorted(checked):
         raise BuildError(f"every exercise needs exactly one check cell: exercises {exercises}, checks {checked}")
+    code = [cell.source.strip() for cell in nb.cells if cell.cell_type == "code"]
+    lesson = nb.metadata.get("course", {}).get("lesson")
+    if exercises and (not code or not re.fullmatch(rf"lesson{lesson}\.scoreboard\(\)", code[-1])):
+        raise BuildError(f"the last code cell must show the scoreboard: lesson{lesson}.scoreboard()")
     return exercises
 
 
@@ -119,35 +112,50 @@ def learner_copy(nb):
 
 
 def execute(nb, path: Path) -> None:
-    """Run a notebook top to bottom in its own folder, storing fresh outputs in `nb`."""
+    """Run a notebook top to bottom in its own folder, storing fresh outputs in `nb`.
+
+    The kernel runs as under the checker (COURSE_CHECKER=1), so that the stored outputs are the
+    ones nbval compares with: a check prints its PASS line instead of displaying it.
+    """
+    import os
+
     from nbclient import NotebookClient
 
-    NotebookClient(
-        nb,
-        timeout=600,
-        kernel_name="python3",
-        record_timing=False,
-        resources={"metadata": {"path": str(path.parent)}},
-    ).execute()
+    previous = os.environ.get("COURSE_CHECKER")
+    os.environ["COURSE_CHECKER"] = "1"
+    try:
+        NotebookClient(
+            nb,
+            timeout=600,
+            kernel_name="python3",
+            record_timing=False,
+            resources={"metadata": {"path": str(path.parent)}},
+        ).execute()
+    finally:
+        if previous is None:
+            os.environ.pop("COURSE_CHECKER", None)
+        else:
+            os.environ["COURSE_CHECKER"] = previous
 
 
-def build(sources: list[Path] | None = None, *, run: bool = False) -> list[tuple[Path, Path | None]]:
-    """Tag (and optionally re-execute) each source notebook and write its learner copy.
+def stamp_lesson(nb, source: Path) -> None:
+    """Record the lesson's number in the notebook's metadata, where the checker and the grader look first."""
+    nb.metadata.setdefault("course", {})["lesson"] = lesson_of_path(source)
 
-    Returns (learner copy, backup or None): a learner copy that differs from the new
-    one may hold a learner's work, so it is backed up before it is replaced.
-    """
+
+def build(sources: list[Path] | None = None, *, run: bool = False) -> list[Path]:
+    """Tag (and optionally re-execute) each source notebook and write its learner copy; return the copies written."""
     import nbformat  # imported here: it costs the checker's command line over a second
-
-    from course_utils.workspace import write_learner_file
 
     written = []
     for source in sources or source_notebooks():
         nb = nbformat.read(source, as_version=4)
+        stamp_lesson(nb, source)
         tag_source(nb)
         if run:
             execute(nb, source)
-        nbformat.write(nb, source)
+        write_atomic(source, nbformat.writes(nb) + "\n")
         target = learner_path(source)
-        written.append((target, write_learner_file(target, nbformat.writes(learner_copy(nb)) + "\n")))
+        write_atomic(target, nbformat.writes(learner_copy(nb)) + "\n")
+        written.append(target)
     return written

@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 from nbconvert import HTMLExporter
 
-from course_utils.build import root, source_notebooks
+from course_utils.tooling.layout import root, source_notebooks
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 EXTERNAL = re.compile(r"""<(?:script|link)\b[^>]*\b(?:src|href)\s*=\s*["']?(?:https?:)?//""", re.IGNORECASE)

@@ -1,0 +1,11 @@
+"""The checker and the course's tooling, apart from what the lessons import.
+
+- checks: the core every lesson's checks are written with (verdicts, `call`, `expect_*`);
+- verdict, pytest_plugin, runner: the checker (nbval with the course's plugin) and how it is run;
+- progress: verdicts recorded as checks run, scoreboards and the progress table;
+- layout: where the course's files are, and each lesson's exercises;
+- build: source notebooks -> the course's learner copies;
+- workspace: the learner's own copies in work/ (made, reset, restored);
+- timings, classroom: the README's course map, static HTML for a classroom;
+- cli: `python -m course_utils ...`.
+"""

@@ -1,0 +1,543 @@
+"""The exercise checks' common core: one-line verdicts instead of tracebacks or output comparisons.
+
+A lesson module decorates each check with @exercise("name"). Inside, the check calls
+the learner's code through `call` and compares what came back with `expect_tensor`,
+`expect_module`, `expect_function` or `expect_equal`. The decorator turns whatever
+happens into a Verdict, one of:
+
+- passed;
+- not attempted: the learner's code still reaches an untouched `raise NotImplementedError()`
+  stub (a NotImplementedError raised anywhere else, by torch for instance, is a failure);
+- failed, with one line naming the fault. An exception raised in the learner's code
+  is reported as theirs; "the checker itself failed" is kept for bugs in a check.
+
+In JupyterLab the verdict is shown as one styled line and nothing is raised, so Run All
+runs the whole lesson. Under the checker (nbval with the course's plugin, which sets
+COURSE_CHECKER=1 for its kernels, and `course_utils check`) a verdict other than
+passed raises, so the cell fails. Every check runs under a time limit.
+"""
+
+import contextlib
+import functools
+import html
+import inspect
+import linecache
+import os
+import re
+import signal
+import sys
+import sysconfig
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+PASS_MARK = "PASS"
+NOT_ATTEMPTED = "not attempted yet"
+STUB_LINE = "raise NotImplementedError()"
+SYMBOL = {"passed": "PASS", "not attempted": "TODO", "failed": "FAIL", "not run": "----"}
+
+
+class ExerciseFailed(Exception):
+    """A learner's answer is wrong; str() gives 'exercise: what is wrong'."""
+
+    def __init__(self, message: str, exercise: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.exercise = exercise
+
+    def __str__(self) -> str:
+        return f"{self.exercise}: {self.message}" if self.exercise else self.message
+
+    # IPython shows these lines instead of a traceback, in JupyterLab and under nbval.
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+class ExerciseNotAttempted(ExerciseFailed):
+    """The learner's function still reaches its `raise NotImplementedError()` stub."""
+
+
+class ExerciseTimeout(BaseException):
+    """A check ran past its time limit. A BaseException, so that a learner's `except Exception` cannot swallow it."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a check concluded: status is 'passed', 'not attempted' or 'failed'; reason says why."""
+
+    exercise: str
+    status: str
+    reason: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def line(self) -> str:
+        """The one line a learner reads, e.g. 'FAIL linear: expected shape (4, 3), got (3, 4)'."""
+        return f"{SYMBOL[self.status]} {self.exercise}: {self.reason or 'all checks passed'}"
+
+
+def exercise_seconds() -> float:
+    """The time limit of one check, in seconds (COURSE_EXERCISE_SECONDS, default 30)."""
+    try:
+        return float(os.environ.get("COURSE_EXERCISE_SECONDS", "30"))
+    except ValueError:
+        return 30.0
+
+
+def checker_running() -> bool:
+    """True where a failed check must raise: in kernels the checker started, and outside IPython."""
+    if os.environ.get("COURSE_CHECKER") == "1":
+        return True
+    ipython = sys.modules.get("IPython")
+    return ipython is None or ipython.get_ipython() is None
+
+
+def exercise(name: str) -> Callable:
+    """Decorate a check: judge the learner's answer, record the verdict, then show it (JupyterLab) or raise (checker)."""
+
+    def decorate(check: Callable) -> Callable:
+        lesson = lesson_of_module(check.__module__)
+
+        @functools.wraps(check)
+        def run(*args, **kwargs) -> None:
+            verdict = judge(check, name, *args, **kwargs)
+            if lesson:
+                from course_utils.tooling.progress import record
+
+                record(lesson, verdict)
+            report(verdict)
+
+        run.exercise_name = name
+        run.verdict = functools.partial(judge, check, name)  # the Verdict alone: no record, no display
+        return run
+
+    return decorate
+
+
+def lesson_of_module(module: str) -> str | None:
+    """'course_utils.lesson01' -> '01'."""
+    match = re.search(r"lesson(\d\d)$", module)
+    return match.group(1) if match else None
+
+
+def judge(check: Callable, name: str, *args, **kwargs) -> Verdict:
+    """Run a check under a time limit and with the RNG forked; turn whatever happens into a Verdict."""
+    seconds = exercise_seconds()
+    try:
+        # Checks seed their own hidden cases; the learner's later cells must draw the same numbers.
+        with torch.random.fork_rng(devices=[]), time_limit(seconds):
+            check(*args, **kwargs)
+    except ExerciseNotAttempted as err:
+        return Verdict(name, "not attempted", err.message)
+    except ExerciseFailed as err:
+        return Verdict(name, "failed", err.message)
+    except ExerciseTimeout:
+        return Verdict(name, "failed", f"took longer than {seconds:g} s: an endless loop?")
+    except SystemExit as err:
+        return Verdict(name, "failed", f"your code called exit() (SystemExit: {err.code}): return a value instead")
+    except Exception as err:  # noqa: BLE001 -- anything else is judged by where it was raised
+        return Verdict(name, *_blame(err, name))
+    return Verdict(name, "passed")
+
+
+def report(verdict: Verdict) -> None:
+    """Under the checker: print a pass, raise anything else. In JupyterLab: show one styled line."""
+    if checker_running():
+        if verdict.passed:
+            print(verdict.line())
+            return
+        kind = ExerciseNotAttempted if verdict.status == "not attempted" else ExerciseFailed
+        raise kind(verdict.reason, verdict.exercise)
+    from IPython.display import display
+
+    display({"text/plain": verdict.line(), "text/html": verdict_html(verdict)}, raw=True)
+
+
+COLOURS = {"passed": "#1a7f37", "not attempted": "#6e7781", "failed": "#cf222e", "not run": "#6e7781"}
+
+
+def verdict_html(verdict: Verdict) -> str:
+    """A verdict as one line of HTML: a coloured label, the exercise's name, the reason."""
+    colour = COLOURS[verdict.status]
+    label = SYMBOL[verdict.status]
+    text = html.escape(verdict.reason or "all checks passed")
+    return (
+        f'<div class="course-verdict course-{verdict.status.replace(" ", "-")}" style="font-family: monospace;">'
+        f'<span style="background: {colour}; color: white; padding: 0 6px; border-radius: 3px;">{label}</span> '
+        f"<b>{html.escape(verdict.exercise)}</b>: {text}</div>"
+    )
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise ExerciseTimeout in this thread after `seconds` (POSIX main thread only; elsewhere no limit here,
+    and the checker's per-cell limit still holds)."""
+    usable = seconds > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    if not usable:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise ExerciseTimeout()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def not_attempted_message(name: str) -> str:
+    return f"{NOT_ATTEMPTED}: replace `raise NotImplementedError` in {name} with your code"
+
+
+def stub_function(err: BaseException) -> str | None:
+    """The name of the function whose untouched `raise NotImplementedError()` stub raised err, or None.
+
+    Torch raises NotImplementedError too (an operator with no kernel for a dtype); that always
+    carries a message and is raised elsewhere, so it is never taken for the stub.
+    """
+    if not isinstance(err, NotImplementedError) or err.args:
+        return None
+    tb = err.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    line = linecache.getline(code.co_filename, tb.tb_lineno, tb.tb_frame.f_globals).strip()
+    return code.co_name if line == STUB_LINE else None
+
+
+def _library_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    dirs.add(str(Path(__file__).resolve().parents[1]))  # course_utils itself
+    return tuple(os.path.realpath(d) + os.sep for d in dirs)
+
+
+LIBRARY_DIRS = _library_dirs()
+
+
+def is_learner_file(filename: str) -> bool:
+    """True for code the learner wrote: notebook cells and their own files, not the course, Python or libraries."""
+    if filename.startswith("<"):
+        return filename.startswith("<ipython-input")
+    return not os.path.realpath(filename).startswith(LIBRARY_DIRS)
+
+
+def learner_frame(err: BaseException) -> tuple[str, int, str] | None:
+    """(function, line, file) of the innermost frame of the learner's own code in err's traceback, if any."""
+    found = None
+    tb = err.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if is_learner_file(code.co_filename):
+            found = (code.co_name, tb.tb_lineno, code.co_filename)
+        tb = tb.tb_next
+    return found
+
+
+def where(frame: tuple[str, int, str]) -> str:
+    """' (in foo, line 3)' for a learner frame."""
+    function, line, _ = frame
+    return f" (in {function}, line {line})" if function != "<module>" else f" (line {line} of its cell)"
+
+
+def _blame(err: Exception, name: str) -> tuple[str, str]:
+    """(status, reason) for an exception that escaped a check."""
+    stub = stub_function(err)
+    if stub == name:
+        return "not attempted", not_attempted_message(name)
+    if stub:
+        return "not attempted", f"{NOT_ATTEMPTED}: your code reaches the `{STUB_LINE}` stub in {stub}"
+    frame = learner_frame(err)
+    if frame:
+        return "failed", f"your code raised {type(err).__name__}: {first_line(err)}{where(frame)}"
+    return "failed", f"the checker itself failed ({type(err).__name__}: {first_line(err)}); please report this"
+
+
+def call(
+    fn: Any,
+    *args,
+    name: str | None = None,
+    shown: str | None = None,
+    hints: dict[str, str] | None = None,
+    kind: str = "function",
+) -> Any:
+    """Call the learner's function (kind='function') or model (kind='module') on args; report what goes wrong in one line.
+
+    `name` and `shown` replace the function's name and the description of its arguments in that
+    line; `hints` adds {text in the error: advice} to ERROR_HINTS. The untouched stub's
+    NotImplementedError passes through, for the decorator to call it "not attempted".
+    """
+    expect_callable(fn, kind)
+    try:
+        return fn(*args)
+    except Exception as err:  # noqa: BLE001 -- the learner's error, reported as theirs
+        if stub_function(err):
+            raise
+        label = name or getattr(fn, "__name__", None) or f"your {type(fn).__name__}"
+        described = f"{label}({_describe_args(args) if shown is None else shown})"
+        advice = error_hint(err, {**ERROR_HINTS, **(hints or {})})
+        raise ExerciseFailed(f"{described} raised {type(err).__name__}: {first_line(err)}{advice}") from None
+
+
+def expect_callable(fn: Any, kind: str = "function") -> None:
+    """Fail in one line unless fn can stand for what the check wants.
+
+    kind='function': a function (or a class, which builds its result when called), but not a model;
+    kind='module': an nn.Module instance; kind='callable': anything callable.
+    """
+    wanted = "your model" if kind == "module" else "your function"
+    if fn is None:
+        raise ExerciseFailed(f"expected {wanted}, got None: pass it itself, e.g. check_x(x)")
+    if kind == "module" and inspect.isclass(fn):
+        raise ExerciseFailed(f"expected your model, got the class {fn.__name__}: create one first, e.g. {fn.__name__}(...)")
+    if kind == "function" and isinstance(fn, nn.Module):
+        raise ExerciseFailed(f"expected your function, got a model ({type(fn).__name__}): pass the function itself, not a module")
+    if kind == "module" and not isinstance(fn, nn.Module):
+        raise ExerciseFailed(f"expected your model (a torch.nn.Module), got {a_type(fn)}")
+    if not callable(fn):
+        raise ExerciseFailed(f"expected {wanted}, got {a_type(fn)}: pass the function, do not call it first")
+
+
+# Torch's wording of common errors, and what the words mean. Advice only where the words say it all.
+ERROR_HINTS = {
+    "must match the size of tensor": "shapes that do not broadcast: compare the two shapes from the right",
+    "shapes cannot be multiplied": "for a @ b the last dim of a must equal the first of b",
+    "view size is not compatible": "view() of a non-contiguous tensor; reshape() copies when it must",
+    "expected scalar type": "mixed dtypes in one operation",
+    "Expected all tensors to be on the same device": "tensors on different devices in one operation",
+}
+
+
+def error_hint(err: Exception, hints: dict[str, str] = ERROR_HINTS) -> str:
+    text = str(err)
+    return next((f" ({hint})" for key, hint in hints.items() if key in text), "")
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else "(no message)"
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {tuple(value.shape)}"
+    if isinstance(value, nn.Module):
+        return f"a {type(value).__name__}"
+    if isinstance(value, dict) and len(value) > 3:
+        return f"dict of {len(value)} entries"
+    if isinstance(value, (list, tuple)) and len(value) > 3:
+        return f"{type(value).__name__} of {len(value)}"
+    return repr(value)
+
+
+def _describe_args(args: Sequence[Any]) -> str:
+    return ", ".join(_describe(a) for a in args)
+
+
+def a_type(value: Any) -> str:
+    """'an int', 'a torch.Tensor': the value's type with its article."""
+    name = type_name(value)
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def type_name(value: Any) -> str:
+    """A value's type as a learner would write it: int, list, torch.Tensor, numpy.ndarray."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _none_message(what: str, returned: bool) -> str:
+    return f"{what} is None: did you forget to `return` it?" if returned else f"{what} is None"
+
+
+def expect_tensor(
+    got: Any,
+    expected: torch.Tensor,
+    *,
+    what: str = "your result",
+    atol: float = 1e-6,
+    rtol: float = 1e-5,
+    check_dtype: bool = True,
+    check_device: bool = True,
+    returned: bool = True,
+) -> None:
+    """Compare a learner's tensor with the expected one: type, shape, dtype, device, then values.
+
+    returned=False for a value that is not a function's result (an attribute, a buffer): then
+    a None gets no advice about `return`.
+    """
+    if got is None:
+        raise ExerciseFailed(_none_message(what, returned))
+    if isinstance(got, np.ndarray):
+        raise ExerciseFailed(f"{what} is a numpy.ndarray, expected a torch.Tensor: convert it with torch.from_numpy(...)")
+    if isinstance(got, (list, tuple)):
+        raise ExerciseFailed(f"{what} is a {type(got).__name__}, expected a torch.Tensor")
+    if not isinstance(got, torch.Tensor):
+        raise ExerciseFailed(f"{what} is {a_type(got)}, expected a torch.Tensor")
+    shape = tuple(got.shape)
+    expect_shape(got, expected.shape, what=what)
+    if check_dtype and got.dtype != expected.dtype:
+        raise ExerciseFailed(f"{what}: expected dtype {expected.dtype}, got {got.dtype}{_dtype_hint(got.dtype, expected.dtype)}")
+    if check_device and got.device.type != expected.device.type:
+        raise ExerciseFailed(f"{what}: expected it on device {expected.device.type}, got {got.device.type}")
+    if got.is_complex() or expected.is_complex():
+        a, b = got.detach().cpu().to(torch.complex128), expected.detach().cpu().to(torch.complex128)
+    else:
+        a, b = got.detach().to("cpu", torch.float64), expected.detach().to("cpu", torch.float64)
+    if torch.isnan(a).any() and not torch.isnan(b).any():
+        raise ExerciseFailed(f"{what} contains NaN where no value should be NaN")
+    if not torch.allclose(a, b, atol=atol, rtol=rtol, equal_nan=True):
+        diff = (a - b).abs().nan_to_num(nan=float("inf"))
+        index = tuple(int(i) for i in np.unravel_index(int(diff.argmax()), shape)) if shape else ()
+        hint = ""
+        if a.numel() > 1 and not a.is_complex() and torch.allclose(a.flatten().sort().values, b.flatten().sort().values, atol=atol, rtol=rtol):
+            hint = ": the right values in the wrong places"
+        raise ExerciseFailed(
+            f"{what}: wrong values, e.g. at index {index} expected {b[index].item():.6g}, got {a[index].item():.6g}{hint}"
+        )
+
+
+def _shape_hint(got: tuple, want: tuple) -> str:
+    """A fact about how two shapes differ, when there is one worth saying."""
+    if got == want:
+        return ""
+    if len(got) == 2 and got == want[::-1]:
+        return ": is it transposed?"
+    if int(np.prod(got)) == int(np.prod(want)):
+        if len(got) == 1 and len(want) > 1:
+            return ": the right number of elements, flattened to one dimension"
+        for i in range(len(want)):
+            if want[i] == 1 and want[:i] + want[i + 1:] == got:
+                return f": the size-1 dimension {i} is missing (keepdim=True, or unsqueeze({i}), keeps it)"
+        for i in range(len(got)):
+            if got[i] == 1 and got[:i] + got[i + 1:] == want:
+                return f": an extra size-1 dimension at {i}"
+        if sorted(got) == sorted(want):
+            return ": the right sizes in another order"
+        return ": the right number of elements in another shape"
+    return ""
+
+
+def _dtype_hint(got: torch.dtype, want: torch.dtype) -> str:
+    if got == torch.bool and want != torch.bool:
+        return ": a comparison gives a bool tensor; convert it with .to(dtype)"
+    if want.is_floating_point and not got.is_floating_point and not got.is_complex:
+        return ": an integer tensor; convert it with .float() or create it with a float dtype"
+    if want == torch.bool:
+        return ": a comparison such as x > 0 gives a bool tensor"
+    return ""
+
+
+def expect_equal(got: Any, expected: Any, *, what: str = "your result", returned: bool = True) -> None:
+    """Compare plain Python values (ints, floats, strings, tuples): the type must match exactly, then the value."""
+    if got is None and expected is not None:
+        raise ExerciseFailed(_none_message(what, returned))
+    if isinstance(expected, (bool, int, float)) and isinstance(got, torch.Tensor):
+        raise ExerciseFailed(f"{what} is a tensor, expected a Python {type(expected).__name__}: call .item() on it")
+    if isinstance(expected, (bool, int, float)) and isinstance(got, np.generic):
+        raise ExerciseFailed(f"{what} is {a_type(got)}, expected a Python {type(expected).__name__}: convert it with {type(expected).__name__}(...)")
+    if type(got) is not type(expected):
+        raise ExerciseFailed(f"{what} is {a_type(got)} ({_short_repr(got)}), expected {a_type(expected)}")
+    if got != expected:
+        raise ExerciseFailed(f"{what}: expected {expected!r}, got {_short_repr(got)}")
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def expect_module(
+    module: Any,
+    *,
+    what: str = "your model",
+    layer_types: Iterable[type[nn.Module]] = (),
+    n_params: int | None = None,
+    example_input: torch.Tensor | None = None,
+    output_shape: tuple[int, ...] | None = None,
+    returned: bool = True,
+) -> torch.Tensor | None:
+    """Check a module's layers, trainable parameter count and output shape; return its output."""
+    if module is None:
+        raise ExerciseFailed(_none_message(what, returned))
+    if inspect.isclass(module) and issubclass(module, nn.Module):
+        raise ExerciseFailed(f"{what} is the class {module.__name__}, expected an instance: create one, e.g. {module.__name__}(...)")
+    if not isinstance(module, nn.Module):
+        raise ExerciseFailed(f"{what} is {a_type(module)}, expected a torch.nn.Module")
+    present = {type(m) for m in module.modules()}
+    for layer in layer_types:
+        if not any(issubclass(p, layer) for p in present):
+            raise ExerciseFailed(f"{what} has no {layer.__name__} layer")
+    if n_params is not None:
+        count = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        if count != n_params:
+            raise ExerciseFailed(f"{what} has {count:,} trainable parameters, expected {n_params:,}")
+    if example_input is None:
+        return None
+    out = call(module, example_input, name=what, kind="module")
+    if output_shape is not None:
+        expect_shape(out, output_shape, what=f"{what}'s output for an input of shape {tuple(example_input.shape)}")
+    return out
+
+
+def expect_shape(got: Any, shape: Sequence[int], *, what: str = "your result") -> None:
+    """Check only that `got` is a tensor of the given shape."""
+    if not isinstance(got, torch.Tensor):
+        raise ExerciseFailed(f"{what} is {a_type(got)}, expected a torch.Tensor")
+    if tuple(got.shape) != tuple(shape):
+        raise ExerciseFailed(f"{what}: expected shape {tuple(shape)}, got {tuple(got.shape)}{_shape_hint(tuple(got.shape), tuple(shape))}")
+
+
+def expect_function(
+    fn: Any,
+    reference: Callable,
+    cases: Iterable[tuple],
+    **tolerances: Any,
+) -> None:
+    """Call the learner's fn and the reference on hidden cases; compare every result."""
+    expect_callable(fn)
+    name = getattr(fn, "__name__", "your function")
+    for args in cases:
+        expected = reference(*_clone(args))
+        got = call(fn, *_clone(args))
+        what = f"{name}({_describe_args(args)})"
+        if isinstance(expected, torch.Tensor):
+            expect_tensor(got, expected, what=what, **tolerances)
+        else:
+            expect_equal(got, expected, what=what)
+
+
+def expect_unchanged(before: torch.Tensor, after: torch.Tensor, *, what: str = "your function") -> None:
+    """Fail when a function modified its input tensor in place."""
+    if before.shape != after.shape or not torch.equal(before, after):
+        raise ExerciseFailed(f"{what} modified its input in place: work on a copy, or use an out-of-place op (x * 2, not x.mul_(2))")
+
+
+def _clone(args: tuple) -> tuple:
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def scoreboard_for(module: str) -> Callable[[], None]:
+    """A lesson module's `scoreboard()`: the verdicts of this session's checks, shown at the end of the lesson."""
+    lesson = lesson_of_module(module)
+
+    def scoreboard() -> None:
+        """Show this lesson's exercises with the verdict each check gave in this session."""
+        from course_utils.tooling.progress import show_scoreboard
+
+        show_scoreboard(lesson)
+
+    return scoreboard

@@ -1,0 +1,171 @@
+"""Command line: `python -m course_utils check|progress|reset|restore|workspace|build|html|timings ...`.
+
+Every error a learner can cause or meet (a bad lesson number, a missing or truncated
+notebook, a read-only folder, Ctrl-C) is printed as one line that says what to do, with
+no traceback.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from course_utils.tooling.layout import (
+    CourseError, read_notebook_json, shown, source_for, work_dir, work_path,
+)
+
+
+def find_notebook(lesson: str, solutions: bool = False) -> Path:
+    """A lesson's notebook from its number ('01'): the learner's own copy in work/, or the solution copy; or a path."""
+    path = Path(lesson)
+    if path.suffix == ".ipynb":
+        return path
+    source = source_for(lesson)
+    if solutions:
+        return source
+    mine = work_path(source)
+    if not mine.exists():
+        raise CourseError(f"{shown(mine)} does not exist yet: `make lab` (or `python -m course_utils workspace`) makes your copies")
+    return mine
+
+
+def check(notebook: Path) -> int:
+    """Run the checker over one notebook, print its scoreboard, and record the verdicts when it is the learner's own."""
+    from course_utils.tooling.checks import Verdict
+    from course_utils.tooling.progress import save_verdicts
+    from course_utils.tooling.pytest_plugin import scoreboard_lines
+    from course_utils.tooling.runner import run_checker
+
+    read_notebook_json(notebook)  # a missing, empty or truncated file is named before a kernel starts
+    results = run_checker([notebook])
+    result = next(iter(results.values()), None)
+    if not result or (not result["exercises"] and not result["stopped_at"]):
+        raise CourseError(f"{shown(notebook)} has no exercises of this course (is it a lesson notebook?)")
+    print("\n".join(scoreboard_lines(results)))
+    if result["stopped_at"]:
+        print(f"\nThe checker stopped at {result['stopped_at'].split(':')[0]}, so the cells after it did not run.")
+        print(f"Open {shown(notebook)} and run it top to bottom to see the full error.")
+    lesson = result.get("lesson")
+    if lesson and notebook.resolve().parent == work_dir().resolve():
+        verdicts = [Verdict(name, v["status"], v["reason"]) for name, v in result["exercises"].items()]
+        save_verdicts(work_dir(), lesson, verdicts, replace=True)
+    statuses = [v["status"] for v in result["exercises"].values()]
+    return 0 if statuses and all(s == "passed" for s in statuses) and not result["stopped_at"] else 1
+
+
+def progress(recheck: bool) -> int:
+    """Print the progress table from the recorded verdicts (re-checking every lesson first with recheck)."""
+    from course_utils.tooling.checks import Verdict
+    from course_utils.tooling.progress import format_progress, notebook_problem, progress_table, save_verdicts
+    from course_utils.tooling.runner import run_checker
+
+    if recheck:
+        from course_utils.tooling.layout import source_notebooks
+
+        mine = [work_path(s) for s in source_notebooks()]
+        readable = [p for p in mine if notebook_problem(p) is None]
+        if readable:
+            for path, result in run_checker(readable).items():
+                if result.get("lesson"):
+                    verdicts = [Verdict(n, v["status"], v["reason"]) for n, v in result["exercises"].items()]
+                    save_verdicts(work_dir(), result["lesson"], verdicts, replace=True)
+    table = progress_table()
+    print(format_progress(table))
+    if table.attrs["problems"]:
+        print("Fix or `reset` the notebooks named above (`reset` keeps a backup of yours).")
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course_utils", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_check = sub.add_parser("check", help="check your exercises in one lesson and print a scoreboard")
+    p_check.add_argument("lesson", help="lesson number (01), or a notebook path")
+    p_check.add_argument("--solutions", action="store_true", help="check the solution copy instead of yours")
+    p_progress = sub.add_parser("progress", help="a table of your progress in every lesson (from your latest checks)")
+    p_progress.add_argument("--recheck", action="store_true", help="run the checker over every lesson first (slow, exact)")
+    sub.add_parser("workspace", help="make your own copy of every lesson in work/ that you do not have yet")
+    p_reset = sub.add_parser("reset", help="a fresh copy of a lesson in work/ (your current file is backed up first)")
+    p_reset.add_argument("lesson", help="lesson number, e.g. 03")
+    p_restore = sub.add_parser("restore", help="bring back a backup of a lesson (your current file is backed up first)")
+    p_restore.add_argument("lesson", help="lesson number, e.g. 03")
+    p_restore.add_argument("backup", nargs="?", help="the backup's file name (default: the newest)")
+    p_restore.add_argument("--list", action="store_true", help="list the lesson's backups instead")
+    p_build = sub.add_parser("build", help="regenerate the course's learner copies in notebooks/ from notebooks/solutions/")
+    p_build.add_argument("lessons", nargs="*", help="lesson numbers (default: all)")
+    p_build.add_argument("--execute", action="store_true", help="re-run each solution notebook first, refreshing its outputs")
+    p_html = sub.add_parser("html", help="render the solution notebooks to static HTML for the classroom")
+    p_html.add_argument("--out", default=None, help="output folder (default: build/html)")
+    p_time = sub.add_parser("timings", help="time every lesson under nbval and the checker; rewrite README's course map")
+    p_time.add_argument("--repeat", type=int, default=3, help="runs per lesson (the median is reported)")
+    p_time.add_argument("--no-write", action="store_true", help="print the table instead of writing README.md")
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except CourseError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: the checker and its kernels were stopped; your notebooks are as they were", file=sys.stderr)
+        return 130
+    except OSError as err:
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"error: {where}{err.strerror or err} (is the folder writable, and is there disk space?)", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "check":
+        return check(find_notebook(args.lesson, solutions=args.solutions))
+    if args.command == "progress":
+        return progress(args.recheck)
+    if args.command == "workspace":
+        from course_utils.tooling.workspace import ensure_workspace
+
+        made = ensure_workspace()
+        print(f"made {len(made)} notebooks in {shown(work_dir())}" if made else f"{shown(work_dir())} has every lesson")
+        return 0
+    if args.command == "reset":
+        from course_utils.tooling.workspace import reset
+
+        target, saved = reset(args.lesson)
+        print(f"{shown(target)} is a fresh copy" + (f"; your previous file is kept as {shown(saved)}" if saved else " (it was already fresh)"))
+        return 0
+    if args.command == "restore":
+        from course_utils.tooling.workspace import backups_of, restore
+
+        if args.list:
+            backups = backups_of(args.lesson)
+            print("\n".join(shown(b) for b in backups) or f"lesson {args.lesson} has no backups")
+            return 0
+        target, used, saved = restore(args.lesson, args.backup)
+        print(f"{shown(target)} is now {used.name}" + (f"; the file it replaced is kept as {shown(saved)}" if saved else ""))
+        return 0
+    if args.command == "build":
+        from course_utils.tooling.build import build
+
+        sources = [source_for(lesson) for lesson in args.lessons] or None
+        for path in build(sources, run=args.execute):
+            print(f"wrote {shown(path)}")
+        return 0
+    if args.command == "html":
+        from course_utils.tooling.classroom import build_html  # nbconvert: slow to import, so only here
+
+        pages = build_html(args.out)
+        print(f"wrote {len(pages) - 1} lesson pages and {pages[0]}")
+        return 0
+    if args.command == "timings":
+        from course_utils.tooling.timings import course_map, write_readme
+
+        table = course_map(args.repeat)
+        if args.no_write:
+            print(table)
+        else:
+            write_readme(table)
+            print("README.md course map updated")
+        return 0
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Progress: every check's verdict recorded as it runs, each lesson's scoreboard, and the course-wide table.
+
+A check records its verdict in this kernel's session and, when the notebook runs in the
+learner's work folder, in work/.progress.json. So the progress table is current the moment a
+check cell ran, saved or not, and costs no kernel to show. `course_utils progress --recheck`
+re-runs the checker over every lesson for an exact answer.
+"""
+
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Iterator
+
+from course_utils.tooling.checks import SYMBOL, Verdict, checker_running, verdict_html
+from course_utils.tooling.layout import CourseError, exercises, read_notebook_json, source_notebooks, work_dir, write_atomic
+
+PROGRESS_FILE = ".progress.json"
+NOT_CHECKED = "not checked yet: run its check cell"
+
+_session: dict[str, dict[str, Verdict]] = {}
+
+
+def record(lesson: str, verdict: Verdict) -> None:
+    """Keep a check's verdict for this session's scoreboard and, in the work folder, for the progress table."""
+    _session.setdefault(lesson, {})[verdict.exercise] = verdict
+    if _in_work_dir():
+        with contextlib.suppress(OSError):  # a read-only folder must not break a check
+            save_verdicts(work_dir(), lesson, [verdict])
+
+
+def _in_work_dir() -> bool:
+    try:
+        return Path.cwd().resolve() == work_dir().resolve()
+    except OSError:
+        return False
+
+
+def progress_file(folder: Path) -> Path:
+    return folder / PROGRESS_FILE
+
+
+def load_records(folder: Path) -> dict[str, dict[str, dict]]:
+    """{lesson: {exercise: {"status", "reason", "time"}}}; empty when there is no readable record."""
+    try:
+        records = json.loads(progress_file(folder).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return records if isinstance(records, dict) else {}
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """One writer at a time (two notebooks' kernels may record at once)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: the atomic rename still keeps the file whole
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".progress.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def save_verdicts(folder: Path, lesson: str, verdicts: list[Verdict], *, replace: bool = False) -> None:
+    """Add verdicts to the folder's record (replace=True: they are the lesson's whole new record)."""
+    with _locked(folder):
+        records = load_records(folder)
+        lesson_records = {} if replace else dict(records.get(lesson, {}))
+        now = round(time.time())
+        for v in verdicts:
+            lesson_records[v.exercise] = {"status": v.status, "reason": v.reason, "time": now}
+        records[lesson] = lesson_records
+        write_atomic(progress_file(folder), json.dumps(records, indent=1, sort_keys=True) + "\n")
+
+
+def forget(folder: Path, lesson: str) -> None:
+    """Drop a lesson's record (its notebook was replaced)."""
+    with _locked(folder):
+        records = load_records(folder)
+        if records.pop(lesson, None) is not None:
+            write_atomic(progress_file(folder), json.dumps(records, indent=1, sort_keys=True) + "\n")
+
+
+def exercise_names(lesson: str) -> list[str]:
+    """The lesson's exercises in notebook order (this session's order if the course's notebooks are not at hand)."""
+    try:
+        return [e.name for e in exercises(lesson)]
+    except CourseError:
+        return list(_session.get(lesson, {}))
+
+
+def scoreboard_rows(lesson: str, verdicts: dict[str, Verdict]) -> list[Verdict]:
+    """One verdict per exercise of the lesson, 'not run' for those not checked."""
+    return [verdicts.get(name) or Verdict(name, "not run", NOT_CHECKED) for name in exercise_names(lesson)]
+
+
+def summary(rows: list[Verdict]) -> str:
+    """'7 exercises: 5 passed, 1 not attempted, 1 failed' (and how many were not checked)."""
+    counts = {s: sum(r.status == s for r in rows) for s in ("passed", "not attempted", "failed", "not run")}
+    text = f"{len(rows)} exercises: {counts['passed']} passed, {counts['not attempted']} not attempted, {counts['failed']} failed"
+    return text + (f", {counts['not run']} not checked" if counts["not run"] else "")
+
+
+def scoreboard_text(lesson: str, rows: list[Verdict]) -> str:
+    width = max((len(r.exercise) for r in rows), default=0)
+    lines = [f"Lesson {lesson} scoreboard: {summary(rows)}"]
+    lines += [f"  {SYMBOL[r.status]}  {r.exercise:{width}}  {r.reason}".rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def scoreboard_html(lesson: str, rows: list[Verdict]) -> str:
+    items = "".join(verdict_html(r) for r in rows)
+    return f'<div class="course-scoreboard"><p><b>Lesson {lesson} scoreboard:</b> {summary(rows)}</p>{items}</div>'
+
+
+def show_scoreboard(lesson: str) -> None:
+    """Print (checker) or display (JupyterLab) the lesson's scoreboard from this session's checks."""
+    rows = scoreboard_rows(lesson, _session.get(lesson, {}))
+    text = scoreboard_text(lesson, rows)
+    if checker_running():
+        print(text)
+        return
+    from IPython.display import display
+
+    display({"text/plain": text, "text/html": scoreboard_html(lesson, rows)}, raw=True)
+
+
+def notebook_problem(path: Path) -> str | None:
+    """Why a learner's notebook cannot be checked (missing, empty, truncated, not a notebook), or None."""
+    try:
+        read_notebook_json(path)
+    except CourseError as err:
+        return str(err)
+    return None
+
+
+def progress_rows(folder: Path | None = None) -> tuple[list[dict], list[str]]:
+    """One row per lesson from the recorded verdicts, and the problems with the learner's notebooks."""
+    folder = folder or work_dir()
+    records = load_records(folder)
+    rows, problems = [], []
+    for source in source_notebooks():
+        lesson = source.name[:2]
+        problem = notebook_problem(folder / source.name)
+        if problem:
+            problems.append(problem)
+        names = exercise_names(lesson)
+        statuses = {n: records.get(lesson, {}).get(n, {}).get("status", "not run") for n in names}
+        counts = {s: sum(v == s for v in statuses.values()) for s in ("passed", "not attempted", "failed", "not run")}
+        rows.append({
+            "lesson": source.stem,
+            "passed": counts["passed"],
+            "not attempted": counts["not attempted"],
+            "failed": counts["failed"],
+            "not checked": counts["not run"],
+            "total": len(names),
+            "failing": ", ".join(n for n, s in statuses.items() if s == "failed") or ("(notebook unreadable)" if problem else ""),
+        })
+    return rows, problems
+
+
+def progress_table(folder: Path | None = None):
+    """The progress table as a pandas DataFrame (one row per lesson, and a total), from the recorded verdicts."""
+    import pandas as pd
+
+    rows, problems = progress_rows(folder)
+    columns = ["passed", "not attempted", "failed", "not checked", "total"]
+    total = {"lesson": "TOTAL", **{c: sum(r[c] for r in rows) for c in columns}, "failing": ""}
+    table = pd.DataFrame(rows + [total]).set_index("lesson")
+    table.attrs["problems"] = problems
+    return table
+
+
+def format_progress(table) -> str:
+    """The table as text, followed by a line per notebook that could not be read."""
+    lines = [table.to_string()]
+    lines += [f"problem: {p}" for p in table.attrs.get("problems", [])]
+    return "\n".join(lines)

@@ -1,0 +1,407 @@
+"""nbval as an exercise checker: registered through the `pytest11` entry point.
+
+What it adds to an nbval run:
+- kernels run with COURSE_CHECKER=1, so a check that does not pass raises (in JupyterLab it only shows a line);
+- the exercises judged are the lesson's, read from the course's source notebook: each check cell
+  runs the course's own check (course_utils.tooling.verdict), whatever the learner's copy of the cell
+  says, and a check cell the learner deleted is reported as missing, and fails;
+- cells tagged `check:<exercise>` or `exercise:<exercise>` are reported by exercise name, with a
+  one-line reason when they fail, and summed up in a scoreboard;
+- time limits: --course-exercise-timeout for exercise and check cells, --course-cell-timeout for
+  the rest; a kernel that dies is noticed within a second, not at the time limit;
+- a kernel exits when the pytest that started it dies (Linux), so a killed checker leaves none behind;
+- cells tagged `gpu` are skipped, with the reason, when no CUDA device is usable;
+- stderr (warnings) never fails an output comparison;
+- after a non-exercise cell fails, the rest of that notebook is skipped, not cascaded;
+- `--course-strict-warnings` fails a cell that prints a DeprecationWarning or FutureWarning;
+- `--course-report FILE` writes the scoreboard as JSON.
+"""
+
+import glob
+import json
+import os
+import re
+import time
+from pathlib import Path
+from queue import Empty
+
+import pytest
+
+from course_utils.tooling.checks import SYMBOL
+from course_utils.tooling.layout import CourseError, exercises, lesson_of
+
+CHECK_TAG = "check:"
+EXERCISE_TAG = "exercise:"
+GPU_TAG = "gpu"
+DEPRECATION = re.compile(r"\b(DeprecationWarning|FutureWarning)\b")
+EXERCISE_GRACE = 15  # seconds the checker waits beyond a check's own time limit before interrupting the kernel
+
+_cuda: bool | None = None
+
+
+class KernelDied(Exception):
+    """The notebook's kernel process ended while a cell ran."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("course", "PyTorch course exercise checker")
+    group.addoption("--course-report", metavar="FILE", help="write the exercise scoreboard as JSON to FILE")
+    group.addoption(
+        "--course-strict-warnings",
+        action="store_true",
+        help="fail a notebook cell whose output contains a DeprecationWarning or FutureWarning",
+    )
+    group.addoption("--course-exercise-timeout", type=float, default=30, metavar="S",
+                    help="time limit of one exercise or check cell, in seconds (default 30)")
+    group.addoption("--course-cell-timeout", type=float, default=600, metavar="S",
+                    help="time limit of any other notebook cell, in seconds (default 600)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # notebook path -> {"lesson", "exercises": {name: {"status", "reason"}}, "stopped_at": None or "Cell N: error"}
+    config._course_results = {}
+    # Kernels start after this and inherit it: checks raise, and each check has this time limit.
+    os.environ["COURSE_CHECKER"] = "1"
+    os.environ["COURSE_EXERCISE_SECONDS"] = f"{config.getoption('course_exercise_timeout'):g}"
+    if config.getoption("course_strict_warnings", False):
+        # Show every deprecation, not only __main__'s.
+        os.environ["PYTHONWARNINGS"] = "default::DeprecationWarning,default::FutureWarning"
+    _watch_kernels_die()
+
+
+def _watch_kernels_die() -> None:
+    """Make nbval's kernel wait in slices of a second and notice a kernel that died (nbval would wait for its timeout)."""
+    try:
+        from nbval.kernel import RunningKernel
+    except ImportError:
+        return
+    if getattr(RunningKernel.get_message, "course_patched", False):
+        return
+    original = RunningKernel.get_message
+
+    def get_message(self, stream, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            try:
+                return original(self, stream, timeout=step)
+            except Empty:
+                if not self.is_alive():
+                    raise KernelDied(f"the kernel died ({_exit_status(self)})") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    get_message.course_patched = True
+    RunningKernel.get_message = get_message
+
+
+def _exit_status(kernel) -> str:
+    process = getattr(getattr(getattr(kernel, "km", None), "provisioner", None), "process", None)
+    code = process.poll() if process is not None else None
+    if code is None:
+        return "exit status unknown"
+    return f"killed by signal {-code}" if code < 0 else f"exit {code}"
+
+
+# Run in each kernel before the notebook's first cell: the kernel dies with the pytest that started it.
+KERNEL_PRELUDE = """\
+import ctypes as _c, os as _o, signal as _s, sys as _y
+if _y.platform.startswith("linux"):
+    _c.CDLL(None, use_errno=True).prctl(1, int(_s.SIGKILL))  # PR_SET_PDEATHSIG
+    if _o.getppid() != {parent}:
+        _o._exit(1)
+del _c, _o, _s, _y
+"""
+
+
+def _is_cell(item: pytest.Item) -> bool:
+    return type(item).__name__ == "IPyNbCell" and hasattr(item, "cell")
+
+
+def _tag(item: pytest.Item, prefix: str) -> str | None:
+    for tag in item.cell.metadata.get("tags", []):
+        if tag.startswith(prefix):
+            return tag[len(prefix):]
+    return None
+
+
+def _cuda_available() -> bool:
+    global _cuda
+    if _cuda is None:
+        # Importing torch costs the checker ~2 s; without an NVIDIA device node (or WSL's
+        # /dev/dxg) there is no CUDA anyway, so look for one first.
+        if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/dxg"):
+            _cuda = False
+        else:
+            from course_utils.device import cuda_available
+
+            _cuda = cuda_available()
+    return _cuda
+
+
+def _drop_stderr(outputs: list) -> list:
+    return [o for o in outputs if not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
+
+
+def _rename(item: pytest.Item, name: str) -> None:
+    item.name = name
+    if hasattr(item.parent, "id"):  # pytest >= 9 keeps a structured node id
+        item._id = item.parent.id.child(name)
+    else:
+        item._nodeid = f"{item.parent.nodeid}::{name}"
+    description = f"{item.parent.name}::{name}"
+    item.reportinfo = lambda: (item.path, 0, description)
+
+
+def verdict_source(lesson: str, exercise: str) -> str:
+    """What the checker runs in place of a check cell (one line, so that no name is left behind)."""
+    return f'__import__("course_utils.tooling.verdict", fromlist=["run"]).run({lesson!r}, {exercise!r}, globals())'
+
+
+class MissingCheck(pytest.Item):
+    """An exercise of the lesson whose check cell is not in the learner's notebook."""
+
+    def __init__(self, *, exercise: str, check_source: str, **kwargs):
+        super().__init__(**kwargs)
+        self.course_exercise = exercise
+        self.check_source = check_source
+
+    def runtest(self) -> None:
+        raise AssertionError(_missing_reason(self.course_exercise, self.check_source))
+
+    def repr_failure(self, excinfo, style=None) -> str:
+        return f"{self.course_exercise} failed: {excinfo.value}"
+
+    def reportinfo(self):
+        return self.path, 0, f"{self.parent.name}::{self.name}"
+
+
+def _missing_reason(exercise: str, check_source: str) -> str:
+    return f"check cell missing: put the cell `{check_source}` back below your {exercise}"
+
+
+def _notebook(item: pytest.Item) -> dict:
+    return item.config._course_results.setdefault(str(item.parent.path), {"lesson": None, "exercises": {}, "stopped_at": None})
+
+
+def _results(item: pytest.Item) -> dict:
+    return _notebook(item)["exercises"]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    by_notebook: dict = {}
+    for item in items:
+        if _is_cell(item):
+            by_notebook.setdefault(item.parent, []).append(item)
+    for nbfile, cells in by_notebook.items():
+        extra = _prepare_notebook(nbfile, cells)
+        if extra:
+            last = items.index(cells[-1])
+            items[last + 1:last + 1] = extra
+
+
+def _prepare_notebook(nbfile, cells: list[pytest.Item]) -> list[pytest.Item]:
+    """Name and time the cells; put the course's checks in; return items for check cells that are missing."""
+    try:
+        lesson = lesson_of(nbfile.nb, nbfile.path)
+        course = exercises(lesson) if lesson else []
+    except CourseError:
+        lesson, course = None, []
+    record = _notebook(cells[0])
+    record["lesson"] = lesson
+    for ex in course:  # the scoreboard lists the lesson's exercises in the course's order
+        record["exercises"][ex.name] = {"status": "not run", "reason": "the check cell did not run"}
+    canonical = {ex.check_source: ex.name for ex in course}
+    known = {ex.name for ex in course}
+    seen = set()
+    for item in cells:
+        original_compare = item.compare_outputs
+        item.compare_outputs = lambda test, ref, skip=None, _cmp=original_compare: _cmp(_drop_stderr(test), _drop_stderr(ref), skip)
+        check = _tag(item, CHECK_TAG) or canonical.get(item.cell.source.strip())
+        code = _tag(item, EXERCISE_TAG)
+        if check:
+            item.course_exercise = item.course_check = check
+            _rename(item, f"check {check}")
+            record["exercises"].setdefault(check, {"status": "not run", "reason": "the check cell did not run"})
+            if check in known:
+                item.cell.source = verdict_source(lesson, check)
+                seen.add(check)
+        elif code:
+            item.course_exercise = code
+            _rename(item, f"exercise {code} (your code)")
+        if GPU_TAG in item.cell.metadata.get("tags", []):
+            item.options["check"] = False  # CPU and GPU runs print different things
+            if not _cuda_available():
+                item.add_marker(pytest.mark.skip(reason="GPU cell: no usable CUDA device on this machine"))
+    missing = []
+    for ex in course:
+        if ex.name not in seen:
+            record["exercises"][ex.name] = {"status": "failed", "reason": _missing_reason(ex.name, ex.check_source)}
+            missing.append(MissingCheck.from_parent(nbfile, name=f"check {ex.name} (cell missing)", exercise=ex.name, check_source=ex.check_source))
+    _start_kernels_with_prelude(nbfile)
+    return missing
+
+
+def _start_kernels_with_prelude(nbfile) -> None:
+    original_setup = nbfile.setup
+
+    def setup():
+        original_setup()
+        kernel = nbfile.kernel
+        msg_id = kernel.execute_cell_input(KERNEL_PRELUDE.format(parent=os.getpid()), allow_stdin=False)
+        kernel.await_reply(msg_id, timeout=30)
+        kernel.await_idle(msg_id, timeout=30)
+
+    nbfile.setup = setup
+
+
+def _limit(item: pytest.Item) -> float:
+    if getattr(item, "course_exercise", None):
+        return item.config.getoption("course_exercise_timeout") + EXERCISE_GRACE
+    return item.config.getoption("course_cell_timeout")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _is_cell(item) or isinstance(item, MissingCheck):
+        broken = getattr(item.parent, "course_broken", None)
+        if broken and _is_cell(item):
+            pytest.skip(f"not run: {broken}")
+    if _is_cell(item):
+        item.config.option.nbval_cell_timeout = _limit(item)  # nbval reads it for each cell
+
+
+def _error_output(item: pytest.Item) -> dict | None:
+    for out in reversed(item.test_outputs or []):
+        if out.get("output_type") == "error":
+            return out
+    return None
+
+
+def _error_line(item: pytest.Item) -> str:
+    out = _error_output(item)
+    if out:
+        lines = str(out["evalue"]).strip().splitlines()
+        return f"{out['ename']}: {lines[0]}" if lines else out["ename"]
+    return getattr(item, "course_warning", None) or "its outputs differ from the saved ones"
+
+
+def _exercise_message(item: pytest.Item) -> tuple[str, str]:
+    """(status, reason) for a failed exercise cell, from the error the kernel sent back."""
+    out = _error_output(item)
+    if out:
+        reason = str(out["evalue"]).strip().splitlines()[0] if str(out["evalue"]).strip() else out["ename"]
+        prefix = f"{item.course_exercise}: "
+        reason = reason[len(prefix):] if reason.startswith(prefix) else reason
+        if out["ename"] == "ExerciseNotAttempted":
+            return "not attempted", reason
+        if out["ename"] == "ExerciseFailed":
+            return "failed", reason
+        return "failed", f"{out['ename']}: {reason}"
+    return "failed", getattr(item, "course_warning", None) or "cell outputs differ from the saved ones"
+
+
+def _interrupted(item: pytest.Item, call: pytest.CallInfo) -> str | None:
+    """Why a cell did not finish: it ran past its limit, or its kernel died; None when it finished."""
+    if call.excinfo is not None and call.excinfo.errisinstance(KernelDied):
+        return str(call.excinfo.value)
+    if call.excinfo is not None and "Timeout of" in str(call.excinfo.value):
+        alive = item.parent.kernel is not None and item.parent.kernel.is_alive()
+        limit = f"took longer than {_limit(item):g} s"
+        return f"{limit}: an endless loop?" if alive else f"{limit} and could not be interrupted, so the kernel was stopped"
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if call.when != "call":
+        return report
+    if isinstance(item, MissingCheck):
+        return report
+    if not _is_cell(item):
+        return report
+    if report.passed and item.config.getoption("course_strict_warnings"):
+        stderr = "".join(o.get("text", "") for o in item.test_outputs or [] if o.get("name") == "stderr")
+        match = DEPRECATION.search(stderr)
+        if match:
+            report.outcome = "failed"
+            line = next(l for l in stderr.splitlines() if match.group(0) in l)
+            item.course_warning = f"printed a {match.group(0)} (--course-strict-warnings): {line.strip()}"
+            report.longrepr = f"{item.name} {item.course_warning}"
+    exercise = getattr(item, "course_exercise", None)
+    is_check = getattr(item, "course_check", None) is not None
+    stopped = _interrupted(item, call) if report.failed else None
+    kernel_ok = item.parent.kernel is not None and item.parent.kernel.is_alive()
+    if stopped:
+        item.parent.timed_out = False  # nbval would mark every later cell as an expected failure
+    if report.failed and exercise:
+        status, reason = ("failed", stopped) if stopped else _exercise_message(item)
+        report.longrepr = f"{exercise} {status}: {reason}"
+        results = _results(item)
+        if is_check:
+            previous = results.get(exercise, {})
+            if previous.get("status") == "failed" and previous.get("from_code") and not stopped:
+                status, reason = "failed", previous["reason"]
+            results[exercise] = {"status": status, "reason": reason}
+        else:
+            results[exercise] = {"status": "failed", "reason": f"your code cell {reason if stopped else 'raised ' + reason}", "from_code": True}
+        if not kernel_ok:
+            _stop_notebook(item, f"{item.name}: {stopped or 'the kernel stopped'}")
+    elif report.failed and getattr(item, "course_warning", None):
+        pass  # the report names the warning; the kernel's state is intact, so the notebook goes on
+    elif report.failed:
+        why = stopped or _error_line(item)
+        _stop_notebook(item, f"{item.name}: {why}")
+        report.longrepr = f"{item.name} failed ({why}); the rest of this notebook is skipped\n\n{report.longrepr}"
+    elif report.passed and is_check:
+        _results(item)[exercise] = {"status": "passed", "reason": ""}
+    return report
+
+
+def _stop_notebook(item: pytest.Item, why: str) -> None:
+    item.parent.course_broken = f"{why.split(':')[0]} failed earlier in this notebook"
+    _notebook(item)["stopped_at"] = why
+    for verdict in _results(item).values():
+        if verdict["status"] == "not run":
+            verdict["reason"] = f"not run: {why}"
+
+
+def scoreboard_lines(results: dict[str, dict]) -> list[str]:
+    """Human-readable scoreboard: one line per exercise, and a total per notebook."""
+    lines = []
+    for notebook, result in results.items():
+        exercises_ = result["exercises"]
+        if not exercises_ and not result["stopped_at"]:
+            continue
+        lines.append(Path(notebook).name)
+        width = max((len(name) for name in exercises_), default=0)
+        counts: dict[str, int] = {}
+        for name, verdict in exercises_.items():
+            counts[verdict["status"]] = counts.get(verdict["status"], 0) + 1
+            lines.append(f"  {SYMBOL[verdict['status']]}  {name:{width}}  {verdict['reason']}".rstrip())
+        total = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("passed", "not attempted", "failed"))
+        extra = f", {counts['not run']} not run" if counts.get("not run") else ""
+        lines.append(f"  {len(exercises_)} exercises: {total}{extra}")
+        if result["stopped_at"]:
+            lines.append(f"  stopped early at {result['stopped_at']}; the cells after it did not run")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    results = {
+        path: {
+            "lesson": nb["lesson"],
+            "exercises": {name: {"status": v["status"], "reason": v["reason"]} for name, v in nb["exercises"].items()},
+            "stopped_at": nb["stopped_at"],
+        }
+        for path, nb in config._course_results.items()
+    }
+    path = config.getoption("course_report")
+    if path:
+        Path(path).write_text(json.dumps(results, indent=2))
+    lines = scoreboard_lines(results)
+    if lines:
+        terminalreporter.section("exercise scoreboard")
+        for line in lines:
+            terminalreporter.line(line)

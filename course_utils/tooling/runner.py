@@ -1,0 +1,145 @@
+"""Running the checker (pytest with nbval and the course's plugin) so that nothing outlives it.
+
+The chain of processes is: this process -> pytest -> a kernel per notebook -> whatever the
+notebook starts (DDP ranks, torchrun). Each link ends with the one above it:
+- pytest is started through a tiny shim that asks Linux to send it SIGTERM when its parent dies;
+- the plugin has each kernel ask for SIGKILL when pytest dies (course_utils.tooling.pytest_plugin);
+- the course's ranks exit when their parent is gone (course_utils.distributed);
+- and this process becomes a child subreaper, so that on Ctrl-C, or after the run, every
+  process orphaned below it is re-parented to it and killed.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from course_utils.tooling.layout import CourseError
+
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+
+# Runs in the child before it becomes `command`: it dies with its parent, even a parent killed with SIGKILL.
+_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))\n"
+    "if os.getppid() != int(sys.argv[1]): os._exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _linux() -> bool:
+    return sys.platform.startswith("linux")
+
+
+def guarded(command: list[str]) -> list[str]:
+    """`command`, wrapped so that it receives SIGTERM when this process dies (Linux; elsewhere unchanged)."""
+    if not _linux():
+        return command
+    return [sys.executable, "-c", _SHIM, str(os.getpid()), *command]
+
+
+def become_subreaper() -> bool:
+    """Adopt every orphaned descendant (Linux), so that none escapes the clean-up."""
+    if not _linux():
+        return False
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
+
+
+def _children() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int(Path(entry, "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """Every process below pid (default: this one), from /proc; empty where there is no /proc."""
+    if not Path("/proc").is_dir():
+        return []
+    children, found, todo = _children(), [], [pid or os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_descendants() -> None:
+    """SIGKILL every process below this one, and reap them."""
+    for pid in descendants():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG) != (0, 0):
+            pass
+
+
+def run_guarded(command: list[str], *, env: dict | None = None, cwd: Path | None = None,
+                timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run a command and everything it starts; on return, Ctrl-C, or a time-out, none of it is left running.
+
+    For a process that runs one such command at a time (the command line, one grading job):
+    the clean-up kills every process below this one.
+    """
+    become_subreaper()
+    proc = subprocess.Popen(guarded(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise TimeoutError(f"the checker did not finish within {timeout:g} s") from None
+    except BaseException:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_descendants()
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def require_nbval() -> None:
+    """A clear error when this Python cannot run the checker (e.g. a system python, not the course's .venv)."""
+    try:
+        import nbval  # noqa: F401
+    except ImportError:
+        raise CourseError(
+            f"this Python ({sys.executable}) has no nbval, so it cannot run the checker: "
+            "use the course's environment, e.g. `.venv/bin/python -m course_utils ...` (make lab creates it)"
+        ) from None
+
+
+def run_checker(notebooks: list[Path], *, exercise_timeout: float | None = None, cell_timeout: float | None = None,
+                timeout: float | None = None) -> dict:
+    """Run the checker (nbval, check mode) over notebooks; return the plugin's JSON scoreboard."""
+    require_nbval()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        command = [
+            sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-q", "-p", "no:cacheprovider",
+            "--no-header", "-rN", "--tb=no", "--course-report", str(report),
+        ]
+        if exercise_timeout is not None:
+            command.append(f"--course-exercise-timeout={exercise_timeout:g}")
+        if cell_timeout is not None:
+            command.append(f"--course-cell-timeout={cell_timeout:g}")
+        command += [str(Path(n).resolve()) for n in notebooks]
+        env = {**os.environ, "COURSE_CHECK_MODE": "1"}
+        env.pop("PYTEST_ADDOPTS", None)
+        result = run_guarded(command, env=env, cwd=Path(tmp), timeout=timeout)
+        if not report.exists():
+            raise CourseError(f"the checker did not run:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+        return json.loads(report.read_text())
