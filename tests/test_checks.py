@@ -1,12 +1,18 @@
-"""course_utils.tooling.checks: every fault a learner can make becomes one line naming the exercise."""
+"""course_utils.tooling.checks: every fault a learner can make becomes one verdict line naming the exercise."""
 
+import sys
+import time
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from course_utils.tooling import checks
 from course_utils.tooling.checks import (
     ExerciseFailed,
     ExerciseNotAttempted,
+    Verdict,
     call,
     exercise,
     expect_equal,
@@ -15,6 +21,7 @@ from course_utils.tooling.checks import (
     expect_shape,
     expect_tensor,
     expect_unchanged,
+    judge,
 )
 
 # --- ExerciseFailed itself -------------------------------------------------------------
@@ -140,7 +147,7 @@ def test_exercise_errors_hide_the_chain(learner):
     with pytest.raises(ExerciseFailed) as info:
         _check(learner, torch.tensor([2.0, 4.0]))
     assert info.value.__cause__ is None
-    assert info.value.__suppress_context__ is True
+    assert info.value.__context__ is None or info.value.__suppress_context__
 
 
 def test_checker_bug_hides_the_chain():
@@ -151,19 +158,19 @@ def test_checker_bug_hides_the_chain():
     with pytest.raises(ExerciseFailed) as info:
         check_broken(None)
     assert info.value.__cause__ is None
-    assert info.value.__suppress_context__ is True
+    assert info.value.__context__ is None or info.value.__suppress_context__
 
 
 # --- call -------------------------------------------------------------------------------
 
 
 def test_call_none():
-    with pytest.raises(ExerciseFailed, match=r"expected your function, got None: pass the function itself"):
+    with pytest.raises(ExerciseFailed, match=r"expected your function, got None: pass it itself"):
         call(None, 1)
 
 
 def test_call_not_callable():
-    with pytest.raises(ExerciseFailed, match=r"expected your function, got a Tensor: pass the function, do not call it first"):
+    with pytest.raises(ExerciseFailed, match=r"expected your function, got a torch.Tensor: pass the function, do not call it first"):
         call(torch.zeros(2), 1)
 
 
@@ -189,12 +196,43 @@ def test_call_describes_long_list_arguments():
         call(total, [1, 2, 3, 4, 5])
 
 
-def test_call_lets_not_implemented_through():
+def test_call_lets_the_untouched_stub_through():
     def todo():
-        raise NotImplementedError
+        raise NotImplementedError()
 
     with pytest.raises(NotImplementedError):
         call(todo)
+
+
+def test_call_reports_torchs_not_implemented_as_an_error():
+    """torch raises NotImplementedError for an operator with no kernel for a dtype: that is a failure, named."""
+    def swapped(logits, labels):
+        return torch.nn.functional.cross_entropy(labels, logits)
+
+    with pytest.raises(ExerciseFailed, match=r"^swapped\(tensor of shape \(4, 3\), tensor of shape \(4,\)\) raised (NotImplementedError|RuntimeError): "):
+        call(swapped, torch.randn(4, 3), torch.tensor([0, 1, 2, 0]))
+
+
+def test_call_refuses_a_model_where_a_function_belongs():
+    with pytest.raises(ExerciseFailed, match=r"^expected your function, got a model \(Linear\): pass the function itself, not a module$"):
+        call(nn.Linear(2, 2), torch.zeros(1, 2))
+
+
+def test_call_accepts_a_class_that_builds_the_result():
+    assert isinstance(call(nn.Linear, 2, 3), nn.Linear)
+
+
+def test_call_module_kind():
+    assert call(nn.Identity(), 3, kind="module") == 3
+    with pytest.raises(ExerciseFailed, match=r"^expected your model, got the class Linear: create one first"):
+        call(nn.Linear, 2, kind="module")
+    with pytest.raises(ExerciseFailed, match=r"^expected your model \(a torch.nn.Module\), got a function"):
+        call(lambda x: x, 2, kind="module")
+
+
+def test_call_callable_kind_takes_both():
+    assert call(nn.Identity(), 3, kind="callable") == 3
+    assert call(lambda x: x + 1, 3, kind="callable") == 4
 
 
 # --- expect_tensor ----------------------------------------------------------------------
@@ -212,7 +250,7 @@ def test_expect_tensor_none():
 
 
 def test_expect_tensor_list():
-    with pytest.raises(ExerciseFailed, match=r"is a list, expected a torch.Tensor: build one with torch.stack"):
+    with pytest.raises(ExerciseFailed, match=r"is a list, expected a torch.Tensor$"):
         expect_tensor([EXPECTED[0], EXPECTED[1]], EXPECTED)
 
 
@@ -222,7 +260,7 @@ def test_expect_tensor_numpy():
 
 
 def test_expect_tensor_int():
-    with pytest.raises(ExerciseFailed, match=r"^your result is a int, expected a torch.Tensor$"):
+    with pytest.raises(ExerciseFailed, match=r"^your result is an int, expected a torch.Tensor$"):
         expect_tensor(3, EXPECTED)
 
 
@@ -236,25 +274,64 @@ def test_expect_tensor_transposed():
         expect_tensor(EXPECTED.T, EXPECTED)
 
 
-def test_expect_tensor_missing_dim():
+def test_expect_tensor_missing_size_one_dim():
     expected = EXPECTED.sum(dim=1, keepdim=True)
-    with pytest.raises(ExerciseFailed, match=r"expected shape \(2, 1\), got \(2,\): one dimension is missing; keepdim=True"):
+    with pytest.raises(ExerciseFailed, match=r"expected shape \(2, 1\), got \(2,\): the size-1 dimension 1 is missing \(keepdim=True, or unsqueeze\(1\), keeps it\)$"):
         expect_tensor(EXPECTED.sum(dim=1), expected)
 
 
+def test_expect_tensor_flattened_is_not_called_a_missing_dim():
+    """(2, 3) flattened to (6,): one dimension fewer, but keepdim has nothing to do with it."""
+    with pytest.raises(ExerciseFailed, match=r"expected shape \(2, 3\), got \(6,\): the right number of elements, flattened to one dimension$") as info:
+        expect_tensor(EXPECTED.flatten(), EXPECTED)
+    assert "keepdim" not in str(info.value)
+
+
+def test_expect_tensor_missing_dim_of_another_size_gets_no_guess():
+    """A dimension of size 3 gone: no keepdim advice, just expected and got."""
+    with pytest.raises(ExerciseFailed, match=r"expected shape \(2, 3\), got \(2,\)$"):
+        expect_tensor(EXPECTED.sum(dim=1), EXPECTED)
+
+
 def test_expect_tensor_extra_dim():
-    with pytest.raises(ExerciseFailed, match=r"one dimension too many"):
+    with pytest.raises(ExerciseFailed, match=r"got \(1, 2, 3\): an extra size-1 dimension at 0$"):
         expect_tensor(EXPECTED.unsqueeze(0), EXPECTED)
 
 
+def test_expect_tensor_same_sizes_in_another_order():
+    with pytest.raises(ExerciseFailed, match=r"expected shape \(2, 3, 4\), got \(4, 2, 3\): the right sizes in another order$"):
+        expect_tensor(torch.zeros(4, 2, 3), torch.zeros(2, 3, 4))
+
+
 def test_expect_tensor_same_numel_wrong_shape():
-    with pytest.raises(ExerciseFailed, match=r"got \(1, 6\): the right number of elements in the wrong shape"):
+    with pytest.raises(ExerciseFailed, match=r"got \(1, 6\): the right number of elements in another shape$"):
         expect_tensor(EXPECTED.reshape(1, 6), EXPECTED)
 
 
+def test_expect_tensor_different_numel_has_no_hint():
+    with pytest.raises(ExerciseFailed, match=r"expected shape \(2, 3\), got \(4, 5\)$"):
+        expect_tensor(torch.zeros(4, 5), EXPECTED)
+
+
 def test_expect_tensor_int_dtype_for_float():
-    with pytest.raises(ExerciseFailed, match=r"expected dtype torch.float32, got torch.int64: integer arithmetic; .*\.float\(\)"):
+    with pytest.raises(ExerciseFailed, match=r"expected dtype torch.float32, got torch.int64: an integer tensor; convert it with \.float\(\)"):
         expect_tensor(EXPECTED.long(), EXPECTED)
+
+
+def test_expect_tensor_bool_for_float_is_not_called_integer_arithmetic():
+    with pytest.raises(ExerciseFailed, match=r"expected dtype torch.float32, got torch.bool: a comparison gives a bool tensor; convert it with \.to\(dtype\)$") as info:
+        expect_tensor(EXPECTED > 3, EXPECTED)
+    assert "integer" not in str(info.value)
+
+
+def test_expect_tensor_float64_for_float32_gets_no_guess():
+    with pytest.raises(ExerciseFailed, match=r"expected dtype torch.float32, got torch.float64$"):
+        expect_tensor(EXPECTED.double(), EXPECTED)
+
+
+def test_expect_tensor_none_attribute_gets_no_return_advice():
+    with pytest.raises(ExerciseFailed, match=r"^model.bias is None$"):
+        expect_tensor(None, EXPECTED, what="model.bias", returned=False)
 
 
 def test_expect_tensor_bool_dtype_hint():
@@ -287,7 +364,7 @@ def test_expect_tensor_tolerance():
 def test_expect_tensor_permuted_values():
     """reshape where transpose was meant: same values, wrong places."""
     square = torch.arange(9.0).reshape(3, 3)
-    with pytest.raises(ExerciseFailed, match=r"the values are right but in the wrong places"):
+    with pytest.raises(ExerciseFailed, match=r"the right values in the wrong places$"):
         expect_tensor(square.T.contiguous(), square)
 
 
@@ -300,7 +377,7 @@ def test_expect_tensor_wrong_values_are_not_called_permuted():
 def test_expect_tensor_nan():
     got = EXPECTED.clone()
     got[0, 1] = float("nan")
-    with pytest.raises(ExerciseFailed, match=r"your result contains NaN"):
+    with pytest.raises(ExerciseFailed, match=r"^your result contains NaN where no value should be NaN$"):
         expect_tensor(got, EXPECTED)
 
 
@@ -333,7 +410,7 @@ def test_expect_equal_none():
 
 
 def test_expect_equal_wrong_type():
-    with pytest.raises(ExerciseFailed, match=r"is a str, expected a tuple"):
+    with pytest.raises(ExerciseFailed, match=r"is a str \('\(2, 3\)'\), expected a tuple"):
         expect_equal("(2, 3)", (2, 3))
 
 
@@ -342,9 +419,17 @@ def test_expect_equal_wrong_value():
         expect_equal(4, 3, what="n")
 
 
-def test_expect_equal_numbers_mix():
-    expect_equal(3.0, 3)
+def test_expect_equal_type_must_match_exactly():
+    """The prompt said "a Python int": 3.0 is not one, and neither is True or numpy's int64."""
     expect_equal((2, 3), (2, 3))
+    with pytest.raises(ExerciseFailed, match=r"^n is a float \(3.0\), expected an int$"):
+        expect_equal(3.0, 3, what="n")
+    with pytest.raises(ExerciseFailed, match=r"^n is a bool \(True\), expected an int$"):
+        expect_equal(True, 1, what="n")
+    with pytest.raises(ExerciseFailed, match=r"^n is a numpy.int64, expected a Python int: convert it with int\(...\)$"):
+        expect_equal(np.int64(3), 3, what="n")
+    with pytest.raises(ExerciseFailed, match=r"^x is an int \(2\), expected a float$"):
+        expect_equal(2, 2.0, what="x")
 
 
 # --- expect_module ---------------------------------------------------------------------
@@ -363,7 +448,7 @@ def test_expect_module_passes_and_returns_output():
 
 
 def test_expect_module_class_instead_of_instance():
-    with pytest.raises(ExerciseFailed, match=r"is the class Sequential, expected an instance: call it, e\.g\. Sequential\(\)"):
+    with pytest.raises(ExerciseFailed, match=r"is the class Sequential, expected an instance: create one, e\.g\. Sequential\(...\)"):
         expect_module(nn.Sequential)
 
 
@@ -483,3 +568,202 @@ def test_exercise_leaves_the_global_random_state_alone():
     torch.manual_seed(7)
     check_draws(lambda x: x)
     assert torch.equal(torch.rand(3), expected)
+
+
+# --- verdicts: what counts as not attempted, whose error it is, time limits -----------------
+
+
+def _exercise_named(name):
+    @exercise(name)
+    def check(fn):
+        expect_tensor(call(fn, torch.tensor([1.0, 2.0])), torch.tensor([2.0, 4.0]))
+
+    return check
+
+
+def test_only_the_untouched_stub_is_not_attempted():
+    def double(x):
+        # YOUR CODE HERE
+        raise NotImplementedError()
+
+    verdict = _exercise_named("double").verdict(double)
+    assert verdict == Verdict("double", "not attempted", "not attempted yet: replace `raise NotImplementedError` in double with your code")
+
+
+def test_a_stub_reached_in_another_function_says_where():
+    def helper(x):
+        raise NotImplementedError()
+
+    def double(x):
+        return helper(x) * 2
+
+    verdict = _exercise_named("double").verdict(double)
+    assert verdict.status == "not attempted"
+    assert verdict.reason == "not attempted yet: your code reaches the `raise NotImplementedError()` stub in helper"
+
+
+@pytest.mark.parametrize("raising", [
+    lambda x: torch.nn.functional.log_softmax(x.long(), dim=0),              # torch's own NotImplementedError / RuntimeError
+    lambda x: (_ for _ in ()).throw(NotImplementedError("not yet, says me")),  # a message: not the stub
+])
+def test_any_other_not_implemented_error_is_a_failure(raising):
+    verdict = _exercise_named("double").verdict(raising)
+    assert verdict.status == "failed"
+    assert "not attempted" not in verdict.reason
+    assert "raised" in verdict.reason
+
+
+def test_learner_error_outside_call_is_the_learners(tmp_path, monkeypatch):
+    """A check that calls the learner's model directly: the error in its forward is named as the learner's."""
+    (tmp_path / "learner_cell.py").write_text(
+        "import torch\nfrom torch import nn\n\n\nclass Broken(nn.Module):\n    def forward(self, x):\n        return x @ torch.zeros(5, 5)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from learner_cell import Broken
+
+    @exercise("make_model")
+    def check_make_model(fn):
+        model = call(fn)
+        model(torch.zeros(2, 3))  # no `call` around it
+
+    verdict = check_make_model.verdict(lambda: Broken())
+    assert verdict.status == "failed"
+    assert verdict.reason.startswith("your code raised RuntimeError: mat1 and mat2 shapes cannot be multiplied")
+    assert verdict.reason.endswith("(in forward, line 7)")
+
+
+def test_an_error_in_the_check_itself_is_the_checkers():
+    @exercise("broken")
+    def check_broken(fn):
+        value = call(fn)
+        value.shape  # a check that forgot to test the type first
+
+    verdict = check_broken.verdict(lambda: 3)
+    assert verdict.reason == "the checker itself failed (AttributeError: 'int' object has no attribute 'shape'); please report this"
+
+
+def test_endless_loop_is_stopped_at_the_time_limit(monkeypatch):
+    monkeypatch.setenv("COURSE_EXERCISE_SECONDS", "0.3")
+
+    def double(x):
+        while True:
+            try:
+                pass
+            except Exception:  # a learner's broad except must not swallow the time limit
+                pass
+
+    start = time.monotonic()
+    verdict = _exercise_named("double").verdict(double)
+    assert time.monotonic() - start < 5
+    assert verdict == Verdict("double", "failed", "took longer than 0.3 s: an endless loop?")
+
+
+def test_time_limit_is_cleared_after_the_check(monkeypatch):
+    monkeypatch.setenv("COURSE_EXERCISE_SECONDS", "0.2")
+    assert _exercise_named("double").verdict(lambda x: x * 2).passed
+    time.sleep(0.4)  # no alarm may fire later
+
+
+def test_exit_in_learner_code_is_a_failure():
+    verdict = _exercise_named("double").verdict(lambda x: sys.exit(3))
+    assert verdict == Verdict("double", "failed", "your code called exit() (SystemExit: 3): return a value instead")
+
+
+def test_keyboard_interrupt_is_not_swallowed():
+    def double(x):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _exercise_named("double").verdict(double)
+
+
+def test_verdict_line():
+    assert Verdict("x", "passed").line() == "PASS x: all checks passed"
+    assert Verdict("x", "failed", "wrong").line() == "FAIL x: wrong"
+    assert Verdict("x", "not attempted", "later").line() == "TODO x: later"
+
+
+def test_judge_returns_without_raising_or_printing(capsys):
+    def check(fn):
+        raise ExerciseFailed("nope")
+
+    assert judge(check, "x", None) == Verdict("x", "failed", "nope")
+    assert capsys.readouterr().out == ""
+
+
+# --- where the verdict goes: raised under the checker, shown in JupyterLab, recorded ----------
+
+
+class FakeShell:
+    def __init__(self):
+        self.kernel = object()
+
+
+@pytest.fixture
+def in_jupyterlab(monkeypatch):
+    """A kernel that the checker did not start: what a learner has in JupyterLab."""
+    import IPython
+    import IPython.display
+
+    shown = []
+    monkeypatch.delenv("COURSE_CHECKER", raising=False)
+    monkeypatch.setattr(IPython, "get_ipython", lambda: FakeShell())
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append(obj))
+    return shown
+
+
+def checks_stub(x):
+    raise NotImplementedError()
+
+
+def test_under_the_checker_a_verdict_raises(monkeypatch):
+    monkeypatch.setenv("COURSE_CHECKER", "1")
+    with pytest.raises(ExerciseNotAttempted, match="^double: not attempted yet: your code reaches"):
+        _exercise_named("double")(checks_stub)
+    with pytest.raises(ExerciseFailed, match="^double: your result: wrong values"):
+        _exercise_named("double")(lambda x: x * 3)
+
+
+def test_in_jupyterlab_a_check_shows_one_line_and_never_raises(in_jupyterlab):
+    check = _exercise_named("double")
+    check(lambda x: x * 3)
+    check(checks_stub)
+    check(lambda x: x * 2)
+    plain = [obj["text/plain"] for obj in in_jupyterlab]
+    assert plain[0].startswith("FAIL double: your result: wrong values")
+    assert plain[1].startswith("TODO double: not attempted yet")
+    assert plain[2] == "PASS double: all checks passed"
+    assert all("course-verdict" in obj["text/html"] for obj in in_jupyterlab)
+
+
+def test_checker_running_outside_ipython(monkeypatch):
+    monkeypatch.delenv("COURSE_CHECKER", raising=False)
+    import IPython
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: None)
+    assert checks.checker_running()
+    monkeypatch.setattr(IPython, "get_ipython", lambda: FakeShell())
+    assert not checks.checker_running()
+    monkeypatch.setenv("COURSE_CHECKER", "1")
+    assert checks.checker_running()
+
+
+def test_a_lessons_check_records_its_verdict(monkeypatch):
+    from course_utils.tooling import progress
+
+    monkeypatch.setattr(progress, "_session", {})
+
+    def check(fn):
+        pass
+
+    check.__module__ = "course_utils.lesson42"
+    decorated = exercise("thing")(check)
+    decorated(None)
+    assert progress._session == {"42": {"thing": Verdict("thing", "passed")}}
+    decorated.verdict(None)  # asking for a verdict records nothing new
+    assert list(progress._session["42"]) == ["thing"]
+
+
+def test_lesson_of_module():
+    assert checks.lesson_of_module("course_utils.lesson07") == "07"
+    assert checks.lesson_of_module("course_utils.training") is None

@@ -1,16 +1,32 @@
-"""The command line, `python -m course_utils build|check`: help, and finding a lesson's notebook."""
+"""The command line, `python -m course_utils ...`: help, finding notebooks, and one-line errors without tracebacks."""
 
 import subprocess
 import sys
 
 import pytest
 
-from course_utils.__main__ import find_notebook, main
+from course_utils.tooling import cli, layout, workspace
 
 
-@pytest.mark.parametrize("command, words", [("build", ["--execute", "lessons"]), ("check", ["--solutions", "lesson"])])
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    folder = tmp_path / "work"
+    monkeypatch.setenv("COURSE_WORK_DIR", str(folder))
+    return folder
+
+
+def run(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "course_utils", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("command, words", [
+    ("build", ["--execute", "lessons"]),
+    ("check", ["--solutions", "lesson"]),
+    ("progress", ["--recheck"]),
+    ("restore", ["--list", "backup"]),
+])
 def test_help_exits_zero(command, words):
-    result = subprocess.run([sys.executable, "-m", "course_utils", command, "--help"], capture_output=True, text=True, timeout=60)
+    result = run(command, "--help")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"usage: python -m course_utils {command}")
     for word in words:
@@ -19,30 +35,109 @@ def test_help_exits_zero(command, words):
 
 def test_no_command_is_an_error(capsys):
     with pytest.raises(SystemExit) as info:
-        main([])
+        cli.main([])
     assert info.value.code == 2
     assert "required" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("lesson", ["99", "abc", ""])
-def test_find_notebook_unknown_lesson(lesson):
-    with pytest.raises(SystemExit, match=rf"no lesson '{lesson}': give a number such as 01"):
-        find_notebook(lesson)
+@pytest.mark.parametrize("lesson, message", [
+    ("²", "error: '²' is not a lesson: give a number such as 01"),
+    ("abc", "error: 'abc' is not a lesson: give a number such as 01"),
+    ("99", "error: there is no lesson 99: the lessons are 00, "),
+])
+def test_a_bad_lesson_is_one_line(lesson, message):
+    result = run("check", lesson)
+    assert result.returncode == 1
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
+    assert "Traceback" not in result.stderr + result.stdout
 
 
-def test_find_notebook_missing_path(tmp_path):
-    with pytest.raises(SystemExit, match="no such notebook"):
-        find_notebook(str(tmp_path / "nope.ipynb"))
+def test_check_without_a_work_copy_says_how_to_make_one(work, capsys):
+    assert cli.main(["check", "01"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "does not exist yet: `make lab`" in err
 
 
-def test_find_notebook_existing_path(tmp_path):
+@pytest.mark.parametrize("content, message", [("", "is empty"), ('{"cells": [', "truncated"), ("[]", "is not a notebook")])
+def test_check_names_an_unreadable_notebook(tmp_path, capsys, content, message):
     path = tmp_path / "mine.ipynb"
-    path.write_text("{}")
-    assert find_notebook(str(path)) == path
+    path.write_text(content)
+    assert cli.main(["check", str(path)]) == 1
+    assert message in capsys.readouterr().err
 
 
-def test_find_notebook_by_number():
-    """'1' and '01' name the same lesson; the learner copy sits one folder above its source."""
-    source = find_notebook("1", solutions=True)
+def test_find_notebook():
+    source = cli.find_notebook("1", solutions=True)
     assert source.name.startswith("01_") and source.parent.name == "solutions"
-    assert find_notebook("01") == source.parent.parent / source.name
+    assert cli.find_notebook("x/y.ipynb").name == "y.ipynb"
+
+
+def test_find_notebook_is_the_learners_own_copy(work):
+    workspace.ensure_workspace()
+    assert cli.find_notebook("01") == work / layout.source_for("01").name
+
+
+def test_workspace_reset_restore_commands(work, capsys):
+    assert cli.main(["workspace"]) == 0
+    assert capsys.readouterr().out.startswith(f"made {len(layout.source_notebooks())} notebooks in ")
+    assert cli.main(["workspace"]) == 0
+    assert "has every lesson" in capsys.readouterr().out
+    path = work / layout.source_for("02").name
+    path.write_text(path.read_text().replace('"cells": [', '"cells": [{"cell_type": "markdown", "metadata": {}, "source": "mine"},', 1))
+    assert cli.main(["reset", "02"]) == 0
+    out = capsys.readouterr().out
+    assert "is a fresh copy; your previous file is kept as " in out and "backups" in out
+    assert cli.main(["restore", "02", "--list"]) == 0
+    assert capsys.readouterr().out.count("02_") == 1
+    assert cli.main(["restore", "02"]) == 0
+    assert "mine" in path.read_text()
+
+
+def test_progress_exits_nonzero_and_names_an_unreadable_notebook(work, capsys):
+    workspace.ensure_workspace()
+    broken = work / layout.source_for("03").name
+    broken.write_text("")
+    assert cli.main(["progress"]) == 1
+    out = capsys.readouterr().out
+    assert f"problem: {broken} is empty" in out
+    broken.unlink()
+    workspace.ensure_workspace()
+    assert cli.main(["progress"]) == 0
+
+
+def test_a_read_only_folder_is_one_line(work, capsys, monkeypatch):
+    def refuse(path, text):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(workspace, "write_atomic", refuse)
+    assert cli.main(["workspace"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Permission denied (is the folder writable, and is there disk space?)" in err
+    assert err.count("\n") == 1
+
+
+def test_ctrl_c_is_one_line(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_run", interrupted)
+    assert cli.main(["progress"]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted: ") and err.count("\n") == 1
+
+
+def test_a_python_without_nbval_is_told_which_python_to_use(monkeypatch):
+    import builtins
+
+    from course_utils.tooling import runner
+
+    real_import = builtins.__import__
+
+    def no_nbval(name, *args, **kwargs):
+        if name == "nbval":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_nbval)
+    with pytest.raises(layout.CourseError, match=r"has no nbval, so it cannot run the checker: use the course's environment, e\.g\. `\.venv/bin/python -m course_utils"):
+        runner.require_nbval()

@@ -1,140 +1,158 @@
-"""course_utils.tooling.workspace: progress, and the promise that no learner file is lost."""
+"""course_utils.tooling.workspace: the learner's own notebooks in work/, and the promise that none is ever lost."""
 
 import hashlib
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import nbformat
 import pytest
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from course_utils import workspace
-from course_utils.tooling.build import build, learner_path
-
-SOLUTION = 'def add_one(x):\n    """x + 1."""\n    ### BEGIN SOLUTION\n    return x + 1\n    ### END SOLUTION'
-CHECK = "lesson00.check_add_one(add_one)"
+from course_utils.tooling import layout, progress, workspace
+from course_utils.tooling.checks import Verdict
+from course_utils.tooling.layout import CourseError
 
 
-def make_course(tmp_path: Path) -> Path:
-    """A one-lesson course in tmp_path; return its source notebook."""
-    solutions = tmp_path / "notebooks" / "solutions"
-    solutions.mkdir(parents=True)
-    source = solutions / "00_orientation.ipynb"
-    nb = new_notebook(cells=[new_markdown_cell("# 00"), new_code_cell(SOLUTION), new_code_cell(CHECK)])
-    nbformat.write(nb, source)
-    build([source])
-    return source
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    folder = tmp_path / "work"
+    monkeypatch.setenv("COURSE_WORK_DIR", str(folder))
+    return folder
 
 
-def digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.glob("*.ipynb")}
+def fresh(lesson: str) -> bytes:
+    return layout.learner_path(layout.source_for(lesson)).read_bytes()
 
 
-def learner_work(source: Path) -> bytes:
-    """Simulate a learner: fill in the exercise and save, the way JupyterLab would."""
-    path = learner_path(source)
+def learner_edit(path: Path, text: str = "# mine") -> bytes:
+    """Simulate a learner: change a cell and save, the way JupyterLab would."""
     nb = nbformat.read(path, as_version=4)
-    nb.cells[1].source = nb.cells[1].source.replace("raise NotImplementedError()", "return x + 1  # mine")
+    nb.cells.append(nbformat.v4.new_code_cell(text))
     nbformat.write(nb, path)
     return path.read_bytes()
 
 
-def test_reset_keeps_a_backup_with_the_learners_work(tmp_path):
-    source = make_course(tmp_path)
-    work = learner_work(source)
-    saved = workspace.reset(source)
-    assert saved is not None and saved.parent == learner_path(source).parent
-    assert saved.name.startswith("00_orientation.backup-") and saved.suffix == ".ipynb"
-    assert saved.read_bytes() == work
-    assert b"raise NotImplementedError()" in learner_path(source).read_bytes()
+def every_byte(folder: Path) -> set[str]:
+    return {hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*.ipynb")}
 
 
-def test_reset_of_a_fresh_copy_makes_no_backup(tmp_path):
-    source = make_course(tmp_path)
-    assert workspace.reset(source) is None
-    assert [p.name for p in learner_path(source).parent.glob("*.ipynb")] == ["00_orientation.ipynb"]
+def test_workspace_makes_every_lesson_once(work):
+    made = workspace.ensure_workspace()
+    assert [p.name for p in made] == [s.name for s in layout.source_notebooks()]
+    for source in layout.source_notebooks():
+        assert (work / source.name).read_bytes() == layout.learner_path(source).read_bytes()
+    mine = learner_edit(work / made[1].name)
+    (work / made[2].name).unlink()
+    again = workspace.ensure_workspace()
+    assert [p.name for p in again] == [made[2].name]  # only the missing one is made
+    assert (work / made[1].name).read_bytes() == mine  # the learner's file is never overwritten
 
 
-def test_two_resets_in_one_second_keep_both_backups(tmp_path):
-    source = make_course(tmp_path)
-    first = learner_work(source)
-    a = workspace.reset(source)
-    learner_work(source)
-    path = learner_path(source)
-    path.write_bytes(path.read_bytes().replace(b"# mine", b"# mine, again"))
-    second = path.read_bytes()
-    b = workspace.reset(source)
-    assert a != b and a.read_bytes() == first and b.read_bytes() == second
+def test_reset_keeps_a_backup_and_writes_a_fresh_copy(work):
+    workspace.ensure_workspace()
+    source = layout.source_for("01")
+    mine = learner_edit(work / source.name)
+    progress.save_verdicts(work, "01", [Verdict("x", "passed")])
+    target, saved = workspace.reset("1")
+    assert target == work / source.name and target.read_bytes() == fresh("01")
+    assert saved.parent == work / "backups" and saved.name.startswith(f"{source.stem}.") and saved.suffix == ".ipynb"
+    assert saved.read_bytes() == mine
+    assert "01" not in progress.load_records(work)  # the verdicts were for the old notebook
 
 
-@pytest.mark.parametrize("command", ["reset", "build"])
-def test_no_learner_file_is_lost(tmp_path, command):
-    """Every learner file that existed before reset or build still exists, byte for byte, somewhere."""
-    source = make_course(tmp_path)
-    learner_work(source)
-    folder = learner_path(source).parent
-    (folder / "my_notes.ipynb").write_text(nbformat.writes(new_notebook()))
-    before = digest(folder)
-    if command == "reset":
-        workspace.reset(source)
-    else:
-        nb = nbformat.read(source, as_version=4)  # the course changes under the learner
-        nb.cells[0].source = "# 00, revised"
-        nbformat.write(nb, source)
-        build([source])
-    after = digest(folder)
-    assert set(before.values()) <= set(after.values()), "a learner's file disappeared without a backup"
-    assert after["my_notes.ipynb"] == before["my_notes.ipynb"]
+def test_reset_of_a_fresh_copy_makes_no_backup(work):
+    workspace.ensure_workspace()
+    assert workspace.reset("02")[1] is None
+    assert not (work / "backups").exists()
 
 
-def test_backup_refuses_to_leave_a_partial_copy(tmp_path, monkeypatch):
-    """If the copy comes out different, the learner's file is not replaced."""
-    source = make_course(tmp_path)
-    work = learner_work(source)
-    monkeypatch.setattr(workspace.shutil, "copy2", lambda src, dst: Path(dst).write_bytes(b"truncated"))
-    with pytest.raises(OSError, match="left untouched"):
-        workspace.reset(source)
-    assert learner_path(source).read_bytes() == work
+def test_reset_makes_a_missing_copy(work):
+    target, saved = workspace.reset("03")
+    assert saved is None and target.read_bytes() == fresh("03")
 
 
-def test_progress_rows_and_table():
-    results = {
-        "/x/notebooks/00_orientation.ipynb": {"exercises": {
-            "a": {"status": "passed", "reason": ""}, "b": {"status": "not attempted", "reason": "..."}}, "stopped_at": None},
-        "/x/notebooks/01_tensors.ipynb": {"exercises": {
-            "c": {"status": "failed", "reason": "..."}, "d": {"status": "not run", "reason": "..."}}, "stopped_at": "Cell 3: NameError: x"},
-    }
-    rows = workspace.progress_rows(results)
-    assert rows[0] == {"lesson": "00_orientation", "passed": 1, "not attempted": 1, "failed": 0, "total": 2, "note": ""}
-    assert rows[1]["failed"] == 2 and "Cell 3" in rows[1]["note"]
-    table = workspace.format_progress(rows)
-    lines = table.splitlines()
-    assert "passed" in lines[0] and "not attempted" in lines[0]
-    assert lines[-1].split()[:5] == ["TOTAL", "1", "1", "2", "4"]
+def test_two_resets_in_one_second_keep_both_backups(work):
+    workspace.ensure_workspace()
+    path = work / layout.source_for("01").name
+    first = learner_edit(path, "# one")
+    workspace.reset("01")
+    second = learner_edit(path, "# two")
+    workspace.reset("01")
+    assert {p.read_bytes() for p in workspace.backups_of("01")} == {first, second}
 
 
-def test_progress_plain_text_fallback(monkeypatch):
-    """Without pandas the same table comes out as plain text."""
-    monkeypatch.setitem(sys.modules, "pandas", None)
-    rows = [{"lesson": "00_orientation", "passed": 2, "not attempted": 0, "failed": 0, "total": 2, "note": ""}]
-    table = workspace.format_progress(rows)
-    assert table.splitlines()[-1].split() == ["TOTAL", "2", "0", "0", "2"]
+def test_reset_is_atomic(work, monkeypatch):
+    """A write that fails half-way (disk full) leaves the learner's file whole, and the backup made."""
+    workspace.ensure_workspace()
+    path = work / layout.source_for("01").name
+    mine = learner_edit(path)
+
+    def disk_full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(layout.os, "replace", disk_full)
+    with pytest.raises(OSError):
+        workspace.reset("01")
+    assert path.read_bytes() == mine
+    assert [b.read_bytes() for b in workspace.backups_of("01")] == [mine]
+    assert not [p for p in work.iterdir() if p.name.startswith(".")]  # no temporary file left
 
 
-def test_progress_does_not_run_inside_the_checker(monkeypatch):
-    monkeypatch.setenv("COURSE_CHECK_MODE", "1")
-    assert "does not run inside the checker" in workspace.progress()
+def test_backup_refuses_to_leave_a_partial_copy(work, monkeypatch):
+    workspace.ensure_workspace()
+    path = work / layout.source_for("01").name
+    mine = learner_edit(path)
+    monkeypatch.setattr(shutil, "copy2", lambda src, dst: Path(dst).write_bytes(Path(src).read_bytes()[:10]))
+    with pytest.raises(OSError, match="incomplete"):
+        workspace.reset("01")
+    assert path.read_bytes() == mine
 
 
-@pytest.mark.slow
-def test_progress_command_on_the_real_learner_copies():
-    """`python -m course_utils progress` over the committed learner copies: everything not attempted."""
-    env = {k: v for k, v in os.environ.items() if k != "COURSE_CHECK_MODE"}
-    result = subprocess.run([sys.executable, "-m", "course_utils", "progress"], capture_output=True, text=True, env=env)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert lines[-1].startswith("TOTAL")
-    total = lines[-1].split()
-    assert total[1] == "0" and total[3] == "0" and total[2] == total[4] != "0"
+def test_restore_brings_back_the_newest_backup_and_keeps_the_current_file(work):
+    workspace.ensure_workspace()
+    path = work / layout.source_for("04").name
+    old = learner_edit(path, "# old work")
+    workspace.reset("04")
+    newer = learner_edit(path, "# started again")
+    target, used, saved = workspace.restore("04")
+    assert target == path and path.read_bytes() == old
+    assert used.read_bytes() == old and saved.read_bytes() == newer
+    # restoring again is an undo: the file just replaced is now the newest backup
+    workspace.restore("04")
+    assert path.read_bytes() == newer
+
+
+def test_restore_by_name(work):
+    workspace.ensure_workspace()
+    path = work / layout.source_for("05").name
+    first = learner_edit(path, "# first")
+    workspace.reset("05")
+    learner_edit(path, "# second")
+    workspace.reset("05")
+    oldest = workspace.backups_of("05")[0]
+    workspace.restore("05", oldest.stem)
+    assert path.read_bytes() == first
+
+
+def test_restore_errors_are_one_line(work):
+    workspace.ensure_workspace()
+    with pytest.raises(CourseError, match=r"^lesson 06 has no backups in .*backups$"):
+        workspace.restore("06")
+    learner_edit(work / layout.source_for("06").name)
+    workspace.reset("06")
+    with pytest.raises(CourseError, match=r"^no backup named 'nope'; the backups of this lesson are: 06_"):
+        workspace.restore("06", "nope")
+
+
+@pytest.mark.parametrize("steps", [["reset"], ["reset", "reset"], ["reset", "restore"], ["restore", "restore"], ["reset", "restore", "reset"]])
+def test_no_learner_file_is_ever_lost(work, steps):
+    """Whatever sequence of reset and restore: every version the learner saved is still somewhere in work/."""
+    workspace.ensure_workspace()
+    path = work / layout.source_for("01").name
+    seen = set()
+    for i, step in enumerate(steps):
+        learner_edit(path, f"# version {i}")
+        seen |= every_byte(work)
+        if step == "restore" and not workspace.backups_of("01"):
+            workspace.reset("01")
+        getattr(workspace, step)("01")
+        assert seen <= every_byte(work)

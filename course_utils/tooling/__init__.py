@@ -1,7 +1,8 @@
 """The checker and the course's tooling, apart from what the lessons import.
 
 - checks: the core every lesson's checks are written with (verdicts, `call`, `expect_*`);
-- verdict, pytest_plugin, runner: the checker (nbval with the course's plugin) and how it is run;
+- verdicts: what a check concluded, and how it is shown;
+- checkcell, pytest_plugin, runner: the checker (nbval with the course's plugin) and how it is run;
 - progress: verdicts recorded as checks run, scoreboards and the progress table;
 - layout: where the course's files are, and each lesson's exercises;
 - build: source notebooks -> the course's learner copies;

@@ -19,16 +19,13 @@ passed raises, so the cell fails. Every check runs under a time limit.
 
 import contextlib
 import functools
-import html
 import inspect
 import linecache
 import os
 import re
 import signal
-import sys
 import sysconfig
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -36,10 +33,10 @@ import numpy as np
 import torch
 from torch import nn
 
-PASS_MARK = "PASS"
+from course_utils.tooling.verdicts import Verdict, checker_running, verdict_html
+
 NOT_ATTEMPTED = "not attempted yet"
 STUB_LINE = "raise NotImplementedError()"
-SYMBOL = {"passed": "PASS", "not attempted": "TODO", "failed": "FAIL", "not run": "----"}
 
 
 class ExerciseFailed(Exception):
@@ -66,37 +63,12 @@ class ExerciseTimeout(BaseException):
     """A check ran past its time limit. A BaseException, so that a learner's `except Exception` cannot swallow it."""
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """What a check concluded: status is 'passed', 'not attempted' or 'failed'; reason says why."""
-
-    exercise: str
-    status: str
-    reason: str = ""
-
-    @property
-    def passed(self) -> bool:
-        return self.status == "passed"
-
-    def line(self) -> str:
-        """The one line a learner reads, e.g. 'FAIL linear: expected shape (4, 3), got (3, 4)'."""
-        return f"{SYMBOL[self.status]} {self.exercise}: {self.reason or 'all checks passed'}"
-
-
 def exercise_seconds() -> float:
     """The time limit of one check, in seconds (COURSE_EXERCISE_SECONDS, default 30)."""
     try:
         return float(os.environ.get("COURSE_EXERCISE_SECONDS", "30"))
     except ValueError:
         return 30.0
-
-
-def checker_running() -> bool:
-    """True where a failed check must raise: in kernels the checker started, and outside IPython."""
-    if os.environ.get("COURSE_CHECKER") == "1":
-        return True
-    ipython = sys.modules.get("IPython")
-    return ipython is None or ipython.get_ipython() is None
 
 
 def exercise(name: str) -> Callable:
@@ -143,7 +115,7 @@ def judge(check: Callable, name: str, *args, **kwargs) -> Verdict:
     except SystemExit as err:
         return Verdict(name, "failed", f"your code called exit() (SystemExit: {err.code}): return a value instead")
     except Exception as err:  # noqa: BLE001 -- anything else is judged by where it was raised
-        return Verdict(name, *_blame(err, name))
+        return Verdict(name, *_blame(err, name, check.__code__.co_filename))
     return Verdict(name, "passed")
 
 
@@ -158,21 +130,6 @@ def report(verdict: Verdict) -> None:
     from IPython.display import display
 
     display({"text/plain": verdict.line(), "text/html": verdict_html(verdict)}, raw=True)
-
-
-COLOURS = {"passed": "#1a7f37", "not attempted": "#6e7781", "failed": "#cf222e", "not run": "#6e7781"}
-
-
-def verdict_html(verdict: Verdict) -> str:
-    """A verdict as one line of HTML: a coloured label, the exercise's name, the reason."""
-    colour = COLOURS[verdict.status]
-    label = SYMBOL[verdict.status]
-    text = html.escape(verdict.reason or "all checks passed")
-    return (
-        f'<div class="course-verdict course-{verdict.status.replace(" ", "-")}" style="font-family: monospace;">'
-        f'<span style="background: {colour}; color: white; padding: 0 6px; border-radius: 3px;">{label}</span> '
-        f"<b>{html.escape(verdict.exercise)}</b>: {text}</div>"
-    )
 
 
 @contextlib.contextmanager
@@ -235,13 +192,16 @@ def is_learner_file(filename: str) -> bool:
     return not os.path.realpath(filename).startswith(LIBRARY_DIRS)
 
 
-def learner_frame(err: BaseException) -> tuple[str, int, str] | None:
-    """(function, line, file) of the innermost frame of the learner's own code in err's traceback, if any."""
+def learner_frame(err: BaseException, checker_file: str = "") -> tuple[str, int, str] | None:
+    """(function, line, file) of the innermost frame of the learner's own code in err's traceback, if any.
+
+    checker_file: the file the check itself is defined in, which is never the learner's.
+    """
     found = None
     tb = err.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
-        if is_learner_file(code.co_filename):
+        if is_learner_file(code.co_filename) and code.co_filename != checker_file:
             found = (code.co_name, tb.tb_lineno, code.co_filename)
         tb = tb.tb_next
     return found
@@ -253,14 +213,14 @@ def where(frame: tuple[str, int, str]) -> str:
     return f" (in {function}, line {line})" if function != "<module>" else f" (line {line} of its cell)"
 
 
-def _blame(err: Exception, name: str) -> tuple[str, str]:
+def _blame(err: Exception, name: str, checker_file: str = "") -> tuple[str, str]:
     """(status, reason) for an exception that escaped a check."""
     stub = stub_function(err)
     if stub == name:
         return "not attempted", not_attempted_message(name)
     if stub:
         return "not attempted", f"{NOT_ATTEMPTED}: your code reaches the `{STUB_LINE}` stub in {stub}"
-    frame = learner_frame(err)
+    frame = learner_frame(err, checker_file)
     if frame:
         return "failed", f"your code raised {type(err).__name__}: {first_line(err)}{where(frame)}"
     return "failed", f"the checker itself failed ({type(err).__name__}: {first_line(err)}); please report this"
@@ -417,14 +377,14 @@ def _shape_hint(got: tuple, want: tuple) -> str:
     if len(got) == 2 and got == want[::-1]:
         return ": is it transposed?"
     if int(np.prod(got)) == int(np.prod(want)):
-        if len(got) == 1 and len(want) > 1:
-            return ": the right number of elements, flattened to one dimension"
         for i in range(len(want)):
             if want[i] == 1 and want[:i] + want[i + 1:] == got:
                 return f": the size-1 dimension {i} is missing (keepdim=True, or unsqueeze({i}), keeps it)"
         for i in range(len(got)):
             if got[i] == 1 and got[:i] + got[i + 1:] == want:
                 return f": an extra size-1 dimension at {i}"
+        if len(got) == 1 and len(want) > 1:
+            return ": the right number of elements, flattened to one dimension"
         if sorted(got) == sorted(want):
             return ": the right sizes in another order"
         return ": the right number of elements in another shape"

@@ -30,7 +30,7 @@ def find_notebook(lesson: str, solutions: bool = False) -> Path:
 
 def check(notebook: Path) -> int:
     """Run the checker over one notebook, print its scoreboard, and record the verdicts when it is the learner's own."""
-    from course_utils.tooling.checks import Verdict
+    from course_utils.tooling.verdicts import Verdict
     from course_utils.tooling.progress import save_verdicts
     from course_utils.tooling.pytest_plugin import scoreboard_lines
     from course_utils.tooling.runner import run_checker
@@ -54,7 +54,7 @@ def check(notebook: Path) -> int:
 
 def progress(recheck: bool) -> int:
     """Print the progress table from the recorded verdicts (re-checking every lesson first with recheck)."""
-    from course_utils.tooling.checks import Verdict
+    from course_utils.tooling.verdicts import Verdict
     from course_utils.tooling.progress import format_progress, notebook_problem, progress_table, save_verdicts
     from course_utils.tooling.runner import run_checker
 

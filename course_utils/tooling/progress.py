@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from course_utils.tooling.checks import SYMBOL, Verdict, checker_running, verdict_html
+from course_utils.tooling.verdicts import SYMBOL, Verdict, checker_running, verdict_html
 from course_utils.tooling.layout import CourseError, exercises, read_notebook_json, source_notebooks, work_dir, write_atomic
 
 PROGRESS_FILE = ".progress.json"

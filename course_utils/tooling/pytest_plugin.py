@@ -3,7 +3,7 @@
 What it adds to an nbval run:
 - kernels run with COURSE_CHECKER=1, so a check that does not pass raises (in JupyterLab it only shows a line);
 - the exercises judged are the lesson's, read from the course's source notebook: each check cell
-  runs the course's own check (course_utils.tooling.verdict), whatever the learner's copy of the cell
+  runs the course's own check (course_utils.tooling.checkcell), whatever the learner's copy of the cell
   says, and a check cell the learner deleted is reported as missing, and fails;
 - cells tagged `check:<exercise>` or `exercise:<exercise>` are reported by exercise name, with a
   one-line reason when they fail, and summed up in a scoreboard;
@@ -27,7 +27,7 @@ from queue import Empty
 
 import pytest
 
-from course_utils.tooling.checks import SYMBOL
+from course_utils.tooling.verdicts import SYMBOL
 from course_utils.tooling.layout import CourseError, exercises, lesson_of
 
 CHECK_TAG = "check:"
@@ -155,7 +155,7 @@ def _rename(item: pytest.Item, name: str) -> None:
 
 def verdict_source(lesson: str, exercise: str) -> str:
     """What the checker runs in place of a check cell (one line, so that no name is left behind)."""
-    return f'__import__("course_utils.tooling.verdict", fromlist=["run"]).run({lesson!r}, {exercise!r}, globals())'
+    return f'__import__("course_utils.tooling.checkcell", fromlist=["run"]).run({lesson!r}, {exercise!r}, globals())'
 
 
 class MissingCheck(pytest.Item):

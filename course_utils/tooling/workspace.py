@@ -7,6 +7,7 @@ work/backups/, then write the new one atomically (a temporary file, then a renam
 failure half-way leaves the old file whole.
 """
 
+import re
 import shutil
 import time
 from pathlib import Path
@@ -62,7 +63,13 @@ def backups_of(lesson: str) -> list[Path]:
     """The backups of one lesson, oldest first."""
     stem = source_for(lesson).stem
     folder = backups_dir()
-    return sorted(folder.glob(f"{stem}.*.ipynb")) if folder.exists() else []
+    return sorted(folder.glob(f"{stem}.*.ipynb"), key=_backup_order) if folder.exists() else []
+
+
+def _backup_order(path: Path) -> tuple[str, int]:
+    """NN_topic.20261123-101500.ipynb, then its -1, -2, ... made in the same second."""
+    match = re.search(r"\.(\d{8}-\d{6})(?:-(\d+))?$", path.stem)
+    return (match.group(1), int(match.group(2) or 0)) if match else ("", 0)
 
 
 def restore(lesson: str, name: str | None = None) -> tuple[Path, Path, Path | None]:

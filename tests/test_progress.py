@@ -1,0 +1,140 @@
+"""course_utils.tooling.progress: verdicts recorded as checks run, scoreboards, and the instant progress table."""
+
+import json
+import multiprocessing
+import time
+
+import pytest
+
+from course_utils.tooling import layout, progress
+from course_utils.tooling.checks import Verdict
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    """An empty work folder, and a fresh session record."""
+    folder = tmp_path / "work"
+    folder.mkdir()
+    monkeypatch.setenv("COURSE_WORK_DIR", str(folder))
+    monkeypatch.setattr(progress, "_session", {})
+    return folder
+
+
+def _names(lesson):
+    return [e.name for e in layout.exercises(lesson)]
+
+
+def test_a_check_run_in_the_work_folder_is_recorded(work, monkeypatch):
+    monkeypatch.chdir(work)
+    name = _names("01")[0]
+    progress.record("01", Verdict(name, "failed", "wrong values"))
+    records = json.loads((work / ".progress.json").read_text())
+    assert records["01"][name]["status"] == "failed"
+    assert records["01"][name]["reason"] == "wrong values"
+    assert abs(records["01"][name]["time"] - time.time()) < 60
+
+
+def test_a_check_run_elsewhere_is_kept_for_the_session_only(work, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    progress.record("01", Verdict("x", "passed"))
+    assert not (work / ".progress.json").exists()
+    assert progress._session == {"01": {"x": Verdict("x", "passed")}}
+
+
+def test_save_merges_and_replaces(work):
+    progress.save_verdicts(work, "02", [Verdict("a", "passed"), Verdict("b", "failed", "no")])
+    progress.save_verdicts(work, "02", [Verdict("b", "passed")])
+    assert {k: v["status"] for k, v in progress.load_records(work)["02"].items()} == {"a": "passed", "b": "passed"}
+    progress.save_verdicts(work, "02", [Verdict("c", "not attempted", "later")], replace=True)
+    assert list(progress.load_records(work)["02"]) == ["c"]
+    progress.forget(work, "02")
+    assert progress.load_records(work) == {}
+
+
+@pytest.mark.parametrize("content", ["", "{", "[1]", "null"])
+def test_an_unreadable_record_counts_as_none(work, content):
+    (work / ".progress.json").write_text(content)
+    assert progress.load_records(work) == {}
+    progress.save_verdicts(work, "03", [Verdict("a", "passed")])  # and is replaced on the next save
+    assert progress.load_records(work)["03"]["a"]["status"] == "passed"
+
+
+def _writer(folder: str, lesson: str, n: int) -> None:
+    for i in range(n):
+        progress.save_verdicts(layout.Path(folder), lesson, [Verdict(f"e{i}", "passed")])
+
+
+def test_two_kernels_recording_at_once_lose_nothing(work):
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(work), lesson, 25)) for lesson in ("04", "05")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    records = progress.load_records(work)
+    assert len(records["04"]) == len(records["05"]) == 25
+
+
+def test_scoreboard_lists_the_lessons_exercises_in_order():
+    names = _names("01")
+    rows = progress.scoreboard_rows("01", {names[1]: Verdict(names[1], "failed", "wrong values")})
+    assert [r.exercise for r in rows] == names
+    assert rows[1].status == "failed"
+    assert rows[0] == Verdict(names[0], "not run", "not checked yet: run its check cell")
+    text = progress.scoreboard_text("01", rows)
+    assert text.splitlines()[0] == f"Lesson 01 scoreboard: {len(names)} exercises: 0 passed, 0 not attempted, 1 failed, {len(names) - 1} not checked"
+    assert text.splitlines()[2].split() == ["FAIL", names[1], "wrong", "values"]
+
+
+def test_show_scoreboard_prints_under_the_checker(monkeypatch, capsys):
+    monkeypatch.setenv("COURSE_CHECKER", "1")
+    names = _names("00")
+    monkeypatch.setattr(progress, "_session", {"00": {n: Verdict(n, "passed") for n in names}})
+    progress.show_scoreboard("00")
+    out = capsys.readouterr().out
+    assert out.startswith(f"Lesson 00 scoreboard: {len(names)} exercises: {len(names)} passed, 0 not attempted, 0 failed\n")
+
+
+def test_show_scoreboard_displays_in_jupyterlab(monkeypatch):
+    import IPython
+    import IPython.display
+
+    shown = []
+    monkeypatch.delenv("COURSE_CHECKER", raising=False)
+    monkeypatch.setattr(IPython, "get_ipython", lambda: type("Shell", (), {"kernel": 1})())
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append(obj))
+    monkeypatch.setattr(progress, "_session", {})
+    progress.show_scoreboard("00")
+    (obj,) = shown
+    assert obj["text/plain"].startswith("Lesson 00 scoreboard:")
+    assert obj["text/html"].count("course-verdict") == len(_names("00"))
+
+
+def test_progress_table_is_instant_and_names_what_fails(work):
+    for source in layout.source_notebooks():
+        (work / source.name).write_text(layout.learner_path(source).read_text())
+    names = _names("01")
+    progress.save_verdicts(work, "01", [Verdict(names[0], "passed"), Verdict(names[1], "failed", "no"), Verdict(names[2], "not attempted", "later")])
+    start = time.perf_counter()
+    table = progress.progress_table()
+    assert time.perf_counter() - start < 1.0
+    row = table.loc[layout.source_for("01").stem]
+    assert (row["passed"], row["failed"], row["not attempted"], row["not checked"], row["total"]) == (1, 1, 1, len(names) - 3, len(names))
+    assert row["failing"] == names[1]
+    assert table.loc["TOTAL", "total"] == sum(len(_names(s.name[:2])) for s in layout.source_notebooks())
+    assert table.attrs["problems"] == []
+
+
+def test_progress_table_names_missing_and_unreadable_notebooks(work):
+    sources = layout.source_notebooks()
+    for source in sources[1:]:
+        (work / source.name).write_text(layout.learner_path(source).read_text())
+    (work / sources[2].name).write_text('{"cells": [')
+    table = progress.progress_table()
+    problems = table.attrs["problems"]
+    assert len(problems) == 2
+    assert problems[0].endswith(f"{sources[0].name} does not exist")
+    assert "truncated" in problems[1]
+    assert table.loc[sources[2].stem, "failing"] == "(notebook unreadable)"
+    text = progress.format_progress(table)
+    assert text.splitlines()[-2].startswith("problem: ") and text.splitlines()[-1].startswith("problem: ")
