@@ -1,6 +1,7 @@
 """course_utils.tooling.pytest_plugin, end to end: nbval runs tiny notebooks in a subprocess with the plugin loaded."""
 
 import json
+import time
 
 import nbformat
 import pytest
@@ -91,7 +92,7 @@ def test_failure_outside_exercise_skips_rest(pytester):
     result.stdout.fnmatch_lines(["SKIPPED [[]2[]] *not run: Cell 1 failed earlier in this notebook"])
     assert (pytester.path / "before.txt").exists()  # the kernel did run in this folder...
     assert not (pytester.path / "after.txt").exists()  # ...and stopped before the last cell
-    assert exercises(report) == {"late": {"status": "not run", "reason": "the check cell did not run"}}
+    assert exercises(report) == {"late": {"status": "not run", "reason": "not run: the checker stopped at Cell 1: ValueError: boom"}}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
@@ -138,3 +139,110 @@ def test_strict_warnings(pytester):
     (verdict,) = exercises(report).values()
     assert verdict["status"] == "failed"
     assert verdict["reason"].startswith("printed a FutureWarning (--course-strict-warnings)")
+
+
+# --- a real lesson: the course's exercises, the course's checks, time limits, dead kernels -----
+
+from course_utils.tooling import layout  # noqa: E402
+from course_utils.tooling.build import stub  # noqa: E402
+
+
+def lesson_notebook(lesson: str, solved: bool = True):
+    """A lesson as a learner would have it: the solution copy (all solved) or the learner copy (untouched)."""
+    source = layout.source_for(lesson)
+    return nbformat.read(source if solved else layout.learner_path(source), as_version=4)
+
+
+def cell_index(nb, tag: str) -> int:
+    (index,) = [i for i, c in enumerate(nb.cells) if tag in c.metadata.get("tags", [])]
+    return index
+
+
+def answer(nb, name: str, body: str) -> None:
+    """Give exercise `name` the function body `body` (indented by 4), whatever it was."""
+    cell = nb.cells[cell_index(nb, f"exercise:{name}")]
+    cell.source = stub(cell.source).replace("    # YOUR CODE HERE\n    raise NotImplementedError()", body)
+
+
+def run_lesson(pytester, nb, *flags):
+    nbformat.write(nb, pytester.path / "mine.ipynb")
+    result = pytester.runpytest_subprocess(
+        "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider", "-v", "--course-report", "r.json", *flags, "mine.ipynb",
+    )
+    return result, exercises(json.loads((pytester.path / "r.json").read_text()))
+
+
+def test_learner_cells_cannot_fake_a_pass(pytester):
+    """A reassigned check, a rebound lesson module, an edited or deleted check cell, a renamed function, an endless loop."""
+    names = [e.name for e in layout.exercises("01")]
+    assert len(names) >= 6
+    nb = lesson_notebook("01")
+    # 0: wrong, and its check cell reassigns the check to one that always passes
+    answer(nb, names[0], "    return None")
+    nb.cells[cell_index(nb, f"check:{names[0]}")].source = (
+        f"lesson01.check_{names[0]} = lambda fn: print('PASS {names[0]}: all checks passed')\nlesson01.check_{names[0]}({names[0]})"
+    )
+    # 1: wrong, and a cell before its check rebinds the lesson's module
+    answer(nb, names[1], "    return None")
+    nb.cells.insert(cell_index(nb, f"check:{names[1]}"), new_code_cell(
+        "import course_utils.lesson01 as real\n\n"
+        "class AlwaysPass:\n    def __getattr__(self, name):\n"
+        "        return (lambda fn: print('PASS')) if name.startswith('check_') else getattr(real, name)\n\n"
+        "lesson01 = AlwaysPass()"
+    ))
+    # 2: right, but its check cell is deleted
+    del nb.cells[cell_index(nb, f"check:{names[2]}")]
+    # 3: wrong, and its check cell's text replaced
+    answer(nb, names[3], "    return None")
+    nb.cells[cell_index(nb, f"check:{names[3]}")].source = f"print('PASS {names[3]}: all checks passed')"
+    # 4: an endless loop
+    answer(nb, names[4], "    while True:\n        pass")
+    # 5: the function renamed
+    cell = nb.cells[cell_index(nb, f"exercise:{names[5]}")]
+    cell.source = cell.source.replace(f"def {names[5]}(", f"def my_{names[5]}(")
+    result, verdicts = run_lesson(pytester, nb, "--course-exercise-timeout=3")
+    assert verdicts[names[0]]["status"] == "failed" and "None" in verdicts[names[0]]["reason"]
+    assert verdicts[names[1]]["status"] == "failed" and "None" in verdicts[names[1]]["reason"]
+    assert verdicts[names[2]] == {"status": "failed", "reason": f"check cell missing: put the cell `lesson01.check_{names[2]}({names[2]})` back below your {names[2]}"}
+    assert verdicts[names[3]]["status"] == "failed" and "None" in verdicts[names[3]]["reason"]
+    assert verdicts[names[4]] == {"status": "failed", "reason": "took longer than 3 s: an endless loop?"}
+    assert verdicts[names[5]] == {"status": "failed", "reason": f"{names[5]} is not defined: run the cell that defines it (was it renamed or deleted?)"}
+    assert all(verdicts[n]["status"] == "passed" for n in names[6:]), verdicts
+    assert list(verdicts) == names  # the course's exercises, in the course's order
+    result.stdout.fnmatch_lines([f"*check {names[2]} (cell missing) FAILED*"])
+    assert result.ret == 1
+
+
+def test_a_dead_kernel_is_reported_as_one(pytester):
+    names = [e.name for e in layout.exercises("00")]
+    nb = lesson_notebook("00", solved=False)
+    answer(nb, names[0], "    import os\n    os._exit(3)")
+    start = time.monotonic()
+    result, verdicts = run_lesson(pytester, nb)
+    assert time.monotonic() - start < 60  # not the 45 s time limit on top of a kernel start
+    assert verdicts[names[0]] == {"status": "failed", "reason": "the kernel died (exit 3)"}
+    for name in names[1:]:
+        assert verdicts[name]["status"] == "not run"
+        assert verdicts[name]["reason"] == f"not run: the checker stopped at check {names[0]}: the kernel died (exit 3)"
+    assert "outputs differ" not in result.stdout.str()
+
+
+def test_a_cell_that_cannot_be_interrupted_is_stopped(pytester):
+    nb = new_notebook(cells=[
+        new_code_cell("x = 1"),
+        new_code_cell("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass"),
+        new_code_cell("y = 2"),
+    ])
+    start = time.monotonic()
+    result, _ = run(pytester, *nb.cells, flags=["--course-cell-timeout=2"])
+    assert time.monotonic() - start < 40
+    result.assert_outcomes(passed=1, failed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*Cell 1 failed (took longer than 2 s and could not be interrupted, so the kernel was stopped)*"])
+    assert "outputs differ" not in result.stdout.str()
+
+
+def test_an_untouched_learner_copy_is_all_not_attempted(pytester):
+    names = [e.name for e in layout.exercises("00")]
+    result, verdicts = run_lesson(pytester, lesson_notebook("00", solved=False))
+    assert [v["status"] for v in verdicts.values()] == ["not attempted"] * len(names)
+    result.assert_outcomes(failed=len(names), passed=sum(c.cell_type == "code" for c in lesson_notebook("00", False).cells) - len(names) - 1, skipped=1)

@@ -364,7 +364,7 @@ def _stop_notebook(item: pytest.Item, why: str) -> None:
     _notebook(item)["stopped_at"] = why
     for verdict in _results(item).values():
         if verdict["status"] == "not run":
-            verdict["reason"] = f"not run: {why}"
+            verdict["reason"] = f"not run: the checker stopped at {why}"
 
 
 def scoreboard_lines(results: dict[str, dict]) -> list[str]:

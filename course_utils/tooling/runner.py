@@ -89,26 +89,29 @@ def run_guarded(command: list[str], *, env: dict | None = None, cwd: Path | None
     """Run a command and everything it starts; on return, Ctrl-C, or a time-out, none of it is left running.
 
     For a process that runs one such command at a time (the command line, one grading job):
-    the clean-up kills every process below this one.
+    the clean-up kills every process below this one. Output goes to files, not pipes, so that a
+    process left behind holding them cannot keep this call waiting.
     """
     become_subreaper()
-    proc = subprocess.Popen(guarded(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise TimeoutError(f"the checker did not finish within {timeout:g} s") from None
-    except BaseException:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(5)
-        raise
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        kill_descendants()
-    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(guarded(command), stdout=out, stderr=err, text=True, env=env, cwd=cwd)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"the checker did not finish within {timeout:g} s") from None
+        except BaseException:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+            raise
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            kill_descendants()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, proc.returncode, out.read(), err.read())
 
 
 def require_nbval() -> None:
