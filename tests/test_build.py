@@ -4,7 +4,8 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from course_utils.tooling.build import BuildError, learner_copy, learner_path, solution_blocks, stub, tag_source
+from course_utils.tooling.build import BuildError, learner_copy, solution_blocks, stub, tag_source
+from course_utils.tooling.layout import learner_path
 
 SOLUTION_CELL = '''import torch
 
@@ -82,9 +83,15 @@ def test_solution_blocks():
     assert solution_blocks(two) == ["    a", "    b"]
 
 
+SCOREBOARD = "lesson01.scoreboard()"
+
+
 def _notebook(*cells):
+    """A notebook of these cells, ending with the scoreboard cell when it has an exercise."""
     nb = new_notebook()
     nb.cells = list(cells)
+    if any("### BEGIN SOLUTION" in c.source for c in cells):
+        nb.cells.append(new_code_cell(SCOREBOARD))
     return nb
 
 
@@ -195,10 +202,25 @@ def test_build_writes_tagged_source_and_learner_copy(tmp_path):
     solutions.mkdir(parents=True)
     source = solutions / "01_tensors.ipynb"
     nbformat.write(_notebook(new_code_cell(SOLUTION_CELL), new_code_cell(CHECK_CELL)), source)
-    assert build([source]) == [(tmp_path / "notebooks" / "01_tensors.ipynb", None)]
+    assert build([source]) == [tmp_path / "notebooks" / "01_tensors.ipynb"]
     saved = nbformat.read(source, as_version=4)
+    assert saved.metadata["course"]["lesson"] == "01"
     assert saved.cells[0].metadata["tags"] == ["exercise:add_one"]
     assert "### BEGIN SOLUTION" in saved.cells[0].source
     learner = nbformat.read(tmp_path / "notebooks" / "01_tensors.ipynb", as_version=4)
     assert "y = x + 1" not in learner.cells[0].source
     assert learner.cells[1].metadata["tags"] == ["check:add_one"]
+    assert learner.metadata["course"]["lesson"] == "01"  # the checker and the grader read it
+
+
+def test_a_lesson_ends_with_its_scoreboard():
+    nb = _notebook(new_code_cell(SOLUTION_CELL), new_code_cell(CHECK_CELL))
+    nb.cells.append(new_markdown_cell("## Summary"))
+    assert tag_source(nb) == ["add_one"]  # markdown after it is fine
+    nb.cells.append(new_code_cell("print('a demo after the scoreboard')"))
+    with pytest.raises(BuildError, match=r"the last code cell must show the scoreboard: lessonNN\.scoreboard\(\)"):
+        tag_source(nb)
+    nb.metadata["course"] = {"lesson": "01"}
+    nb.cells[-1].source = "lesson02.scoreboard()"
+    with pytest.raises(BuildError, match=r"lesson01\.scoreboard\(\)"):
+        tag_source(nb)

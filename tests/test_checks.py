@@ -590,9 +590,11 @@ def test_only_the_untouched_stub_is_not_attempted():
     assert verdict == Verdict("double", "not attempted", "not attempted yet: replace `raise NotImplementedError` in double with your code")
 
 
-def test_a_stub_reached_in_another_function_says_where():
-    def helper(x):
-        raise NotImplementedError()
+def test_a_stub_reached_in_another_function_says_where(tmp_path, monkeypatch):
+    """The stub of another cell's function: not this exercise's, so say where it is."""
+    (tmp_path / "other_cell.py").write_text("def helper(x):\n    # YOUR CODE HERE\n    raise NotImplementedError()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from other_cell import helper
 
     def double(x):
         return helper(x) * 2
@@ -718,7 +720,7 @@ def checks_stub(x):
 
 def test_under_the_checker_a_verdict_raises(monkeypatch):
     monkeypatch.setenv("COURSE_CHECKER", "1")
-    with pytest.raises(ExerciseNotAttempted, match="^double: not attempted yet: your code reaches"):
+    with pytest.raises(ExerciseNotAttempted, match="^double: not attempted yet: replace `raise NotImplementedError` in double"):
         _exercise_named("double")(checks_stub)
     with pytest.raises(ExerciseFailed, match="^double: your result: wrong values"):
         _exercise_named("double")(lambda x: x * 3)
@@ -767,3 +769,17 @@ def test_a_lessons_check_records_its_verdict(monkeypatch):
 def test_lesson_of_module():
     assert checks.lesson_of_module("course_utils.lesson07") == "07"
     assert checks.lesson_of_module("course_utils.training") is None
+
+
+def test_a_stub_in_the_exercises_own_cell_is_the_exercise_not_attempted(tmp_path, monkeypatch):
+    """An exercise whose stub sits in a method of a class defined in the same cell (an autograd Function's backward)."""
+    (tmp_path / "cell.py").write_text(
+        "class Op:\n    @staticmethod\n    def backward(x):\n        # YOUR CODE HERE\n        raise NotImplementedError()\n\n\n"
+        "def double(x):\n    return Op.backward(x)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from cell import double
+
+    assert _exercise_named("double").verdict(double).reason == (
+        "not attempted yet: replace `raise NotImplementedError` in double with your code"
+    )

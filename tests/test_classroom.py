@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from course_utils.tooling.build import source_notebooks
+from course_utils.tooling.layout import source_notebooks
 from course_utils.tooling.classroom import build_html, external_references
 
 EXTERNAL_SCRIPT_OR_STYLE = re.compile(

@@ -9,7 +9,8 @@ import sys
 import nbformat
 import pytest
 
-from course_utils.tooling.build import BEGIN, END, learner_copy, learner_path, solution_blocks, source_notebooks, tag_source
+from course_utils.tooling.build import BEGIN, END, learner_copy, solution_blocks, tag_source
+from course_utils.tooling.layout import exercises, learner_path, source_notebooks
 
 SOURCES = source_notebooks()
 IDS = [s.stem for s in SOURCES]
@@ -91,25 +92,30 @@ def _fill(nb, name: str, body: str) -> None:
     raise AssertionError(f"no exercise {name}")
 
 
+def _solution_of(source, name: str) -> str:
+    """The learner copy's cell for exercise `name`, solved as the source solves it."""
+    nb = nbformat.read(source, as_version=4)
+    (cell,) = [c for c in nb.cells if f"exercise:{name}" in c.metadata.get("tags", [])]
+    return cell.source
+
+
 def test_checker_on_a_filled_in_learner_notebook(tmp_path):
     """A right answer passes, a wrong one fails naming its fault, the rest stay 'not attempted'."""
     source = next(s for s in SOURCES if s.name.startswith("01_"))
+    names = [e.name for e in exercises("01")]
     nb = nbformat.read(learner_path(source), as_version=4)
-    _fill(nb, "checkerboard", "    i = torch.arange(n)\n    return ((i[:, None] + i) % 2).float()")
-    _fill(nb, "pairwise_sq_distances", "    return ((a[None, :, :] - b[:, None, :]) ** 2).sum(-1)")  # transposed
-    _fill(nb, "relu_copy", "    x[x < 0] = 0\n    return x")  # modifies its input
-    mine = tmp_path / source.name
+    (first,) = [c for c in nb.cells if f"exercise:{names[0]}" in c.metadata.get("tags", [])]
+    first.source = _solution_of(source, names[0])
+    _fill(nb, names[1], "    return None")
+    mine = tmp_path / "renamed.ipynb"
     nbformat.write(nb, mine)
-    result = subprocess.run(
-        [sys.executable, "-m", "course_utils", "check", str(mine)], capture_output=True, text=True
-    )
+    result = subprocess.run([sys.executable, "-m", "course_utils", "check", str(mine)], capture_output=True, text=True)
     assert result.returncode == 1
     lines = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("  ") and len(line.split()) > 1}
-    assert lines["checkerboard"].split()[0] == "PASS"
-    assert lines["pairwise_sq_distances"].split()[0] == "FAIL" and "transposed" in lines["pairwise_sq_distances"]
-    assert lines["relu_copy"].split()[0] == "FAIL" and "in place" in lines["relu_copy"]
-    assert lines["linear"].split()[0] == "TODO"
-    assert "1 passed, 4 not attempted, 2 failed" in result.stdout
+    assert lines[names[0]].split()[0] == "PASS"
+    assert lines[names[1]].split()[0] == "FAIL" and "None" in lines[names[1]]
+    assert all(lines[n].split()[0] == "TODO" for n in names[2:])
+    assert f"{len(names)} exercises: 1 passed, {len(names) - 2} not attempted, 1 failed" in result.stdout
 
 
 def test_checker_stops_after_a_broken_demo_cell(tmp_path):
@@ -123,8 +129,33 @@ def test_checker_stops_after_a_broken_demo_cell(tmp_path):
     result = subprocess.run([sys.executable, "-m", "course_utils", "check", str(mine)], capture_output=True, text=True)
     assert result.returncode == 1
     assert "NameError: name 'undefined_name' is not defined" in result.stdout
-    assert "checker stopped there" in result.stdout
-    assert "stopped early: Cell" in result.stdout
+    assert "so the cells after it did not run" in result.stdout
+    assert "stopped early at Cell" in result.stdout
+
+
+def _plain_env() -> dict:
+    """The environment of a JupyterLab a learner starts: not the checker's."""
+    return {k: v for k, v in os.environ.items() if k not in ("COURSE_CHECKER", "COURSE_CHECK_MODE", "PYTEST_ADDOPTS")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
+def test_run_all_of_an_untouched_learner_copy_runs_every_cell(source, tmp_path):
+    """As Run All in JupyterLab: no check stops the notebook; each shows its TODO line; the scoreboard ends it."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(learner_path(source), as_version=4)
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client.execute(env=_plain_env())
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in code), "a cell did not run"
+    assert not [o for c in code for o in c.outputs if o.output_type == "error"], "a cell raised"
+    names = [e.name for e in exercises(source.name[:2])]
+    shown = [o["data"]["text/plain"] for c in code if any(t.startswith("check:") for t in c.metadata.get("tags", []))
+             for o in c.outputs if o.output_type == "display_data"]
+    assert shown == [f"TODO {n}: not attempted yet: replace `raise NotImplementedError` in {n} with your code" for n in names]
+    scoreboard = [o["data"]["text/plain"] for o in code[-1].outputs if o.output_type == "display_data"]
+    assert scoreboard and scoreboard[0].startswith(f"Lesson {source.name[:2]} scoreboard: {len(names)} exercises: 0 passed, {len(names)} not attempted")
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=IDS)

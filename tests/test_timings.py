@@ -2,8 +2,8 @@
 
 import pytest
 
-from course_utils import timings
-from course_utils.tooling.build import source_notebooks
+from course_utils.tooling import timings
+from course_utils.tooling.layout import source_notebooks
 
 
 def test_write_readme_replaces_only_the_marked_table(tmp_path):

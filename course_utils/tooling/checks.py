@@ -115,7 +115,8 @@ def judge(check: Callable, name: str, *args, **kwargs) -> Verdict:
     except SystemExit as err:
         return Verdict(name, "failed", f"your code called exit() (SystemExit: {err.code}): return a value instead")
     except Exception as err:  # noqa: BLE001 -- anything else is judged by where it was raised
-        return Verdict(name, *_blame(err, name, check.__code__.co_filename))
+        learner_files = {a.__code__.co_filename for a in args if hasattr(a, "__code__")}
+        return Verdict(name, *_blame(err, name, check.__code__.co_filename, learner_files))
     return Verdict(name, "passed")
 
 
@@ -157,8 +158,8 @@ def not_attempted_message(name: str) -> str:
     return f"{NOT_ATTEMPTED}: replace `raise NotImplementedError` in {name} with your code"
 
 
-def stub_function(err: BaseException) -> str | None:
-    """The name of the function whose untouched `raise NotImplementedError()` stub raised err, or None.
+def stub_frame(err: BaseException) -> tuple[str, str] | None:
+    """(function name, file) of the untouched `raise NotImplementedError()` stub that raised err, or None.
 
     Torch raises NotImplementedError too (an operator with no kernel for a dtype); that always
     carries a message and is raised elsewhere, so it is never taken for the stub.
@@ -172,7 +173,13 @@ def stub_function(err: BaseException) -> str | None:
         tb = tb.tb_next
     code = tb.tb_frame.f_code
     line = linecache.getline(code.co_filename, tb.tb_lineno, tb.tb_frame.f_globals).strip()
-    return code.co_name if line == STUB_LINE else None
+    return (code.co_name, code.co_filename) if line == STUB_LINE else None
+
+
+def stub_function(err: BaseException) -> str | None:
+    """The name of the function whose untouched stub raised err, or None."""
+    frame = stub_frame(err)
+    return frame[0] if frame else None
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -213,13 +220,17 @@ def where(frame: tuple[str, int, str]) -> str:
     return f" (in {function}, line {line})" if function != "<module>" else f" (line {line} of its cell)"
 
 
-def _blame(err: Exception, name: str, checker_file: str = "") -> tuple[str, str]:
-    """(status, reason) for an exception that escaped a check."""
-    stub = stub_function(err)
-    if stub == name:
+def _blame(err: Exception, name: str, checker_file: str = "", learner_files: set[str] = frozenset()) -> tuple[str, str]:
+    """(status, reason) for an exception that escaped a check.
+
+    learner_files: the files (notebook cells) of the functions the check was given; a stub in one
+    of them, a method of the exercise's own class for instance, belongs to this exercise.
+    """
+    stub = stub_frame(err)
+    if stub and (stub[0] == name or stub[1] in learner_files):
         return "not attempted", not_attempted_message(name)
     if stub:
-        return "not attempted", f"{NOT_ATTEMPTED}: your code reaches the `{STUB_LINE}` stub in {stub}"
+        return "not attempted", f"{NOT_ATTEMPTED}: your code reaches the `{STUB_LINE}` stub in {stub[0]}"
     frame = learner_frame(err, checker_file)
     if frame:
         return "failed", f"your code raised {type(err).__name__}: {first_line(err)}{where(frame)}"
