@@ -107,7 +107,8 @@ def test_run_all_runs_every_cell_of_an_untouched_lesson(lab, source):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page = lab["browser"].new_page(viewport={"width": 1400, "height": 1000})
     try:
-        page.goto(f"{lab['url']}/lab/tree/{name}?token={lab['token']}")
+        # A workspace of its own, so that no notebook of an earlier test is open beside this one.
+        page.goto(f"{lab['url']}/lab/workspaces/{source.stem}/tree/{name}?reset&token={lab['token']}")
         page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
         start_kernel(page)
         tracked += psutil.Process(tracked[0].pid).children(recursive=True)
@@ -157,4 +158,4 @@ def start_kernel(page) -> None:
         page.locator(".jp-Dialog").get_by_role("button", name="Select", exact=True).click(timeout=10_000)
     except playwright.Error:
         pass  # no dialog: the kernel started by itself
-    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=90_000)
+    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(timeout=90_000)
