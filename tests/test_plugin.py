@@ -246,3 +246,24 @@ def test_an_untouched_learner_copy_is_all_not_attempted(pytester):
     result, verdicts = run_lesson(pytester, lesson_notebook("00", solved=False))
     assert [v["status"] for v in verdicts.values()] == ["not attempted"] * len(names)
     result.assert_outcomes(failed=len(names), passed=sum(c.cell_type == "code" for c in lesson_notebook("00", False).cells) - len(names) - 1, skipped=1)
+
+
+def test_an_earlier_version_of_a_lesson_is_told_to_reset(pytester):
+    """A learner's copy from before the course replaced an exercise: the old one is skipped, the new one says how to get it."""
+    names = [e.name for e in layout.exercises("00")]
+    nb = lesson_notebook("00", solved=False)
+    old, gone = "mean_value", names[-1]
+    for cell in nb.cells:
+        tags = cell.metadata.get("tags", [])
+        if f"exercise:{gone}" in tags:
+            cell.metadata["tags"] = [f"exercise:{old}"]
+            cell.source = f"def {old}(x):\n    return x.float().mean().item()"
+        if f"check:{gone}" in tags:
+            cell.metadata["tags"] = [f"check:{old}"]
+            cell.source = f"lesson00.check_{old}({old})"
+    result, verdicts = run_lesson(pytester, nb)
+    assert old not in verdicts
+    assert verdicts[gone]["status"] == "failed"
+    assert verdicts[gone]["reason"] == ("check cell missing: your notebook is an earlier version of lesson 00, and this exercise is new; "
+                                       "`python -m course_utils reset 00` gives you the new version and keeps yours as a backup")
+    result.stdout.fnmatch_lines([f"*check {old} (no longer in this lesson) SKIPPED*"])

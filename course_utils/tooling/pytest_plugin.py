@@ -167,7 +167,7 @@ class MissingCheck(pytest.Item):
         self.check_source = check_source
 
     def runtest(self) -> None:
-        raise AssertionError(_missing_reason(self.course_exercise, self.check_source))
+        raise AssertionError(_results(self)[self.course_exercise]["reason"])
 
     def repr_failure(self, excinfo, style=None) -> str:
         return f"{self.course_exercise} failed: {excinfo.value}"
@@ -178,6 +178,11 @@ class MissingCheck(pytest.Item):
 
 def _missing_reason(exercise: str, check_source: str) -> str:
     return f"check cell missing: put the cell `{check_source}` back below your {exercise}"
+
+
+def _new_exercise_reason(lesson: str) -> str:
+    return (f"check cell missing: your notebook is an earlier version of lesson {lesson}, and this exercise is new; "
+            f"`python -m course_utils reset {lesson}` gives you the new version and keeps yours as a backup")
 
 
 def _notebook(item: pytest.Item) -> dict:
@@ -214,12 +219,18 @@ def _prepare_notebook(nbfile, cells: list[pytest.Item]) -> list[pytest.Item]:
         record["exercises"][ex.name] = {"status": "not run", "reason": "the check cell did not run"}
     canonical = {ex.check_source: ex.name for ex in course}
     known = {ex.name for ex in course}
-    seen = set()
+    seen, outdated = set(), set()
     for item in cells:
         original_compare = item.compare_outputs
         item.compare_outputs = lambda test, ref, skip=None, _cmp=original_compare: _cmp(_drop_stderr(test), _drop_stderr(ref), skip)
         check = _tag(item, CHECK_TAG) or canonical.get(item.cell.source.strip())
         code = _tag(item, EXERCISE_TAG)
+        if course and (check or code) and (check or code) not in known:
+            # An exercise of an earlier version of the lesson: nothing judges it any more.
+            _rename(item, f"{'check' if check else 'exercise'} {check or code} (no longer in this lesson)")
+            item.add_marker(pytest.mark.skip(reason=f"{check or code} is not an exercise of lesson {lesson} any more"))
+            outdated.add(check or code)
+            continue
         if check:
             item.course_exercise = item.course_check = check
             _rename(item, f"check {check}")
@@ -237,7 +248,8 @@ def _prepare_notebook(nbfile, cells: list[pytest.Item]) -> list[pytest.Item]:
     missing = []
     for ex in course:
         if ex.name not in seen:
-            record["exercises"][ex.name] = {"status": "failed", "reason": _missing_reason(ex.name, ex.check_source)}
+            reason = _new_exercise_reason(lesson) if outdated else _missing_reason(ex.name, ex.check_source)
+            record["exercises"][ex.name] = {"status": "failed", "reason": reason}
             missing.append(MissingCheck.from_parent(nbfile, name=f"check {ex.name} (cell missing)", exercise=ex.name, check_source=ex.check_source))
     _start_kernels_with_prelude(nbfile)
     return missing
