@@ -1,18 +1,72 @@
-"""Lesson 01 (tensors): reference solutions and the checks for its exercises."""
+"""Lesson 01 (tensors): reference solutions, the checks for its exercises, the camera stand-in and the broadcasting figure."""
 
+import numpy as np
 import torch
 
-from course_utils.tooling.checks import ExerciseFailed, call, exercise, expect_function, expect_tensor, expect_unchanged, scoreboard_for
+from course_utils.tooling.checks import (
+    ExerciseFailed,
+    a_type,
+    call,
+    exercise,
+    expect_equal,
+    expect_tensor,
+    expect_unchanged,
+    scoreboard_for,
+)
 
 scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
 
-def _cases(*shapes: tuple[int, ...], seed: int = 1) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(*shape, generator=generator) for shape in shapes]
+class Camera:
+    """A stand-in for a frame grabber: read() copies the next frame into one NumPy array and returns that same array."""
+
+    def __init__(self, frames: np.ndarray):
+        self.frames = np.asarray(frames)
+        self.buffer = np.zeros_like(self.frames[0])  # reused by every read, as some drivers do to save allocations
+        self.reads = 0
+
+    def read(self) -> np.ndarray:
+        """The next frame (after the last one, the first again), always in the same array."""
+        self.buffer[...] = self.frames[self.reads % len(self.frames)]
+        self.reads += 1
+        return self.buffer
+
+
+def plot_broadcast(a: torch.Tensor, b: torch.Tensor):
+    """Draw a + b for 2-D a and b: each operand stretched to the result's shape (stretched copies pale), then the sum."""
+    import matplotlib.pyplot as plt  # here, not at the top: the checker imports this module and draws nothing
+    from matplotlib.patches import Rectangle
+
+    out = a + b
+    rows, cols = out.shape
+    panels = [("a", a), ("b", b), ("a + b", out)]
+    fig, axes = plt.subplots(1, 3, figsize=(9.5, 2.9))
+    for ax, (name, t) in zip(axes, panels):
+        shown = t.expand(rows, cols)
+        for i in range(rows):
+            for j in range(cols):
+                own = i < t.shape[0] and j < t.shape[1]  # the cells the operand really has in memory
+                ax.add_patch(Rectangle((j, i), 1, 1, facecolor="tab:blue" if own else "#dbe8f5", edgecolor="white", linewidth=2))
+                ax.text(j + 0.5, i + 0.5, f"{shown[i, j].item():g}", ha="center", va="center",
+                        color="white" if own else "#5b7da3", fontsize=11)
+        ax.set_xlim(0, cols)
+        ax.set_ylim(rows, 0)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        stretched = f" stretched to {(rows, cols)}" if tuple(t.shape) != (rows, cols) else ""
+        ax.set_title(f"{name}: {tuple(t.shape)}{stretched}", fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 # Reference solutions. The checks compare the learner's answers with these.
+
+def image_patches(image: torch.Tensor, p: int) -> torch.Tensor:
+    """(H, W) image -> (H//p * W//p, p*p): one row per p x p patch, patches left to right then top to bottom."""
+    h, w = image.shape
+    blocks = image.view(h // p, p, w // p, p)  # splitting a dimension is always a view, contiguous or not
+    return blocks.permute(0, 2, 1, 3).reshape(-1, p * p)
+
 
 def checkerboard(n: int) -> torch.Tensor:
     """(n, n) float32 tensor: 0 where row + column is even, 1 where it is odd."""
@@ -20,105 +74,320 @@ def checkerboard(n: int) -> torch.Tensor:
     return ((i[:, None] + i[None, :]) % 2).float()
 
 
-def normalize_rows(x: torch.Tensor) -> torch.Tensor:
-    """Divide each row of a 2-D tensor by its L2 norm."""
-    return x / x.norm(dim=1, keepdim=True)
-
-
 def pairwise_sq_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """(n, m) squared Euclidean distances between the rows of a (n, d) and b (m, d)."""
     return ((a[:, None, :] - b[None, :, :]) ** 2).sum(dim=-1)
 
 
-def to_channels_last(images: torch.Tensor) -> torch.Tensor:
-    """(N, C, H, W) -> (N, H, W, C), each pixel keeping its own channel values."""
-    return images.permute(0, 2, 3, 1)
-
-
 def relu_copy(x: torch.Tensor) -> torch.Tensor:
-    """A copy of x with negative entries set to zero; x itself is left unchanged."""
+    """A new tensor like x with negative entries set to zero; x itself is left unchanged."""
     out = x.clone()
     out[out < 0] = 0
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """What nn.Linear computes: x (B, in) @ weight (out, in) transposed, plus bias (out,)."""
+    """What nn.Linear computes for x (..., in), weight (out, in) and bias (out,): a (..., out) result."""
     return x @ weight.T + bias
 
 
-def stack_points(points: list[torch.Tensor]) -> torch.Tensor:
-    """A list of n tensors of shape (2,) -> one (n, 2) tensor."""
-    return torch.stack(points)
+def record_frames(camera: Camera, n: int) -> torch.Tensor:
+    """The camera's next n frames as one float32 tensor (n, H, W), each copied as it is read."""
+    return torch.stack([torch.tensor(camera.read(), dtype=torch.float32) for _ in range(n)])
+
+
+def batch_to(batch: dict, device: torch.device | str) -> dict:
+    """A new dict: every tensor on `device`, floating-point ones as float32; other values as they are."""
+    moved = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            dtype = torch.float32 if value.is_floating_point() else value.dtype
+            value = value.to(device, dtype)
+        moved[key] = value
+    return moved
+
+
+# Helpers of the checks.
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _same(got, expected: torch.Tensor, atol: float = 0.0) -> bool:
+    """True when got is a real CPU tensor of expected's shape holding (up to atol) expected's values."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.device.type != "cpu":
+        return False
+    if got.is_complex() or got.is_sparse or got.numel() == 0:
+        return False
+    return torch.allclose(got.detach().double(), expected.detach().double(), atol=atol, rtol=1e-5 if atol else 0.0)
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 # Checks, one per exercise, in notebook order.
 
+@exercise("image_patches")
+def check_image_patches(fn) -> None:
+    # Every pixel differs from every other, so each way of scrambling them is told apart.
+    cases = [
+        (torch.arange(48, dtype=torch.float32).view(6, 8) / 4 - 5, 2, ""),
+        (torch.arange(54).view(6, 9).T, 3, " (a transposed view, not contiguous)"),
+        (torch.arange(15, dtype=torch.float32).view(3, 5), 1, ""),
+        (torch.arange(36, dtype=torch.float64).view(6, 6).T, 6, " (a transposed view, not contiguous)"),
+        (torch.arange(200, 232, dtype=torch.uint8).view(4, 8), 4, ""),
+    ]
+    for image, p, note in cases:
+        before = image.clone()
+        shown = f"image of shape {tuple(image.shape)}{note}, p={p}"
+        got = call(fn, image, p, name="image_patches", shown=shown)
+        what = f"image_patches({shown})"
+        expect_unchanged(before, image, what="image_patches")
+        expected = image_patches(before, p)
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected):
+            if p > 1 and _same(got, before.reshape(-1, p * p)):
+                raise ExerciseFailed(
+                    f"{what}: each row of your result is {p * p} pixels in reading order, which run across several patches: "
+                    "a p x p patch spans p image rows, so reorder the dimensions before you merge them (reshape alone is not permute)"
+                )
+            if _same(got.reshape(-1, p, p).transpose(1, 2).reshape(-1, p * p), expected):
+                raise ExerciseFailed(f"{what}: each patch is flattened column by column; flatten it row by row")
+            if sorted(map(tuple, got.tolist())) == sorted(map(tuple, expected.tolist())):
+                raise ExerciseFailed(
+                    f"{what}: every row is a right patch, but the patches come in another order: "
+                    "left to right along the top, then the next band down"
+                )
+        expect_tensor(got, expected, what=what)
+
+
 @exercise("checkerboard")
 def check_checkerboard(fn) -> None:
-    for n in (5, 2, 1):
-        got = call(fn, n)
+    for n in (6, 7, 1, 2):
+        got = call(fn, n, name="checkerboard")
         expected = checkerboard(n)
-        if isinstance(got, torch.Tensor) and got.shape == expected.shape and n > 1 and torch.equal(got.float(), 1 - expected):
+        if n > 1 and _same(got, 1 - expected):
             raise ExerciseFailed(f"checkerboard({n}) is inverted: the top-left entry [0, 0] should be 0")
         expect_tensor(got, expected, what=f"checkerboard({n})")
 
 
-@exercise("normalize_rows")
-def check_normalize_rows(fn) -> None:
-    # A square input matters: without keepdim=True, (n,) silently broadcasts against the columns.
-    for x in _cases((4, 3), (5, 5), (1, 7)):
-        got = call(fn, x.clone())
-        expected = normalize_rows(x)
-        square = x.shape[0] == x.shape[1] > 1
-        if square and isinstance(got, torch.Tensor) and got.shape == x.shape and torch.allclose(got, x / x.norm(dim=1), atol=1e-6):
-            raise ExerciseFailed(
-                "on a square input each *column* j was divided by the norm of row j: use keepdim=True so the norms have shape (n, 1)"
-            )
-        expect_tensor(got, expected, what=f"normalize_rows(tensor of shape {tuple(x.shape)})", atol=1e-5)
-
-
 @exercise("pairwise_sq_distances")
 def check_pairwise_sq_distances(fn) -> None:
-    a, b = _cases((4, 3), (6, 3))
-    cases = [(a, b), (b, a), (a[:1], b)]
-    expect_function(fn, pairwise_sq_distances, cases, atol=1e-4)
-
-
-@exercise("to_channels_last")
-def check_to_channels_last(fn) -> None:
-    (images,) = _cases((2, 3, 4, 5))
-    got = call(fn, images.clone())
-    expect_tensor(got, to_channels_last(images), what="to_channels_last(tensor of shape (2, 3, 4, 5))")
+    g = _generator(11)
+    cases = [
+        (torch.randn(5, 3, generator=g), torch.randn(4, 3, generator=g)),
+        (torch.randn(4, 2, generator=g), torch.randn(4, 2, generator=g)),  # n == m: a transposed answer keeps the shape
+        (torch.randn(1, 6, generator=g), torch.randn(3, 6, generator=g)),
+        (torch.randn(3, 1, generator=g), torch.randn(2, 1, generator=g)),
+        (torch.randn(4, 5, generator=g).T, torch.randn(2, 4, generator=g)),  # a is not contiguous
+        (torch.randn(2, 4, generator=g, dtype=torch.float64), torch.randn(5, 4, generator=g, dtype=torch.float64)),
+    ]
+    for a, b in cases:
+        a_before, b_before = a.clone(), b.clone()
+        shown = f"a of shape {tuple(a.shape)}, b of shape {tuple(b.shape)}{', float64' if a.dtype == torch.float64 else ''}"
+        got = call(fn, a, b, name="pairwise_sq_distances", shown=shown)
+        what = f"pairwise_sq_distances({shown})"
+        expect_unchanged(a_before, a, what="pairwise_sq_distances")
+        expect_unchanged(b_before, b, what="pairwise_sq_distances")
+        expected = pairwise_sq_distances(a_before, b_before)
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected, atol=1e-4):
+            d = a.shape[1]
+            if _same(got, expected.sqrt(), atol=1e-4):
+                raise ExerciseFailed(f"{what}: your values are the distances, not their squares")
+            if d > 1 and _same(got * d, expected, atol=1e-4):
+                raise ExerciseFailed(f"{what}: your values are the squared distances divided by d = {d}: sum over the coordinates, do not average")
+            if got.shape[0] == got.shape[1] and _same(got.T, expected, atol=1e-4):
+                raise ExerciseFailed(f"{what}: entry [i, j] holds the distance from b[i] to a[j]: is it transposed?")
+        expect_tensor(got, expected, what=what, atol=1e-4, rtol=1e-4)
 
 
 @exercise("relu_copy")
 def check_relu_copy(fn) -> None:
-    for x in _cases((6,), (3, 4)):
+    g = _generator(5)
+    mixed = torch.randn(3, 5, generator=g)
+    mixed[0, :2] = 0.0
+    cases = [
+        (mixed, ""),
+        (torch.tensor([4, -7, 0, 12, -1, 3, -30]), ""),
+        (torch.rand(2, 4, generator=g) + 0.5, ", no negative entry"),
+        (torch.randn(4, 3, generator=g).T, ", not contiguous"),
+        (torch.tensor([-2.5], dtype=torch.float64), ""),
+    ]
+    for x, note in cases:
         before = x.clone()
-        got = call(fn, x)
+        shown = f"tensor of shape {tuple(x.shape)}, {str(x.dtype).replace('torch.', '')}{note}"
+        got = call(fn, x, name="relu_copy", shown=shown)
+        what = f"relu_copy({shown})"
         expect_unchanged(before, x, what="relu_copy")
-        expect_tensor(got, relu_copy(before), what=f"relu_copy(tensor of shape {tuple(x.shape)})")
-        if got.data_ptr() == x.data_ptr():
-            raise ExerciseFailed("relu_copy returned its input tensor itself: return a new tensor")
+        expected = relu_copy(before)
+        if isinstance(got, torch.Tensor) and got.ndim == 1 and got.shape != expected.shape:
+            if any(_same(got, before[keep]) for keep in (before > 0, before >= 0)):
+                raise ExerciseFailed(
+                    f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}: x[mask] picks the selected entries "
+                    "out into a 1-D tensor; keep x's shape and set the negative entries to 0"
+                )
+        expect_tensor(got, expected, what=what)
+        if _shares_memory(got, x):
+            raise ExerciseFailed(
+                f"{what} shares memory with its input, so changing your result later would change x: return a new tensor"
+                + (", even when x has no negative entry" if note == ", no negative entry" else "")
+            )
 
 
 @exercise("linear")
 def check_linear(fn) -> None:
-    # Square weights first: they hide a missing transpose from the shapes, but not from the values.
-    x, w, b = _cases((2, 3), (3, 3), (3,), seed=2)
-    got = call(fn, x, w, b)
-    if isinstance(got, torch.Tensor) and got.shape == (2, 3) and torch.allclose(got, x @ w + b, atol=1e-5):
-        raise ExerciseFailed("you computed x @ weight; nn.Linear stores weight as (out, in), so use x @ weight.T")
-    expect_tensor(got, linear(x, w, b), what="linear with a square (3, 3) weight", atol=1e-5)
-    x, w, b = _cases((4, 3), (2, 3), (2,))
-    expect_function(fn, linear, [(x, w, b)], atol=1e-5)
+    g = _generator(2)
+
+    def case(x_shape, out, dtype=torch.float32):
+        x = torch.randn(*x_shape, generator=g, dtype=dtype)
+        return x, torch.randn(out, x_shape[-1], generator=g, dtype=dtype), torch.randn(out, generator=g, dtype=dtype)
+
+    cases = [
+        case((2, 3), 3),  # square weight: a missing transpose keeps the shape, not the values
+        case((5, 4), 2),
+        case((4,), 3),  # one sample, no batch dimension
+        case((2, 3, 4), 5),  # two leading dimensions
+        case((1, 3), 1),
+        case((3, 2), 4, torch.float64),
+    ]
+    for x, w, b in cases:
+        before = (x.clone(), w.clone(), b.clone())
+        shown = f"x of shape {tuple(x.shape)}, weight of shape {tuple(w.shape)}, bias{', all float64' if x.dtype == torch.float64 else ''}"
+        got = call(fn, x, w, b, name="linear", shown=shown)
+        what = f"linear({shown})"
+        for old, new in zip(before, (x, w, b)):
+            expect_unchanged(old, new, what="linear")
+        x0, w0, b0 = before
+        expected = linear(x0, w0, b0)
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected, atol=1e-5):
+            if w0.shape[0] == w0.shape[1] and _same(got, x0 @ w0 + b0, atol=1e-5):
+                raise ExerciseFailed(
+                    f"{what}: you computed x @ weight + bias, but weight is stored as (out_features, in_features): use its transpose, weight.T"
+                )
+            if _same(got, x0 @ w0.T, atol=1e-5):
+                raise ExerciseFailed(f"{what}: the bias is missing: add one bias value to each output feature")
+        expect_tensor(got, expected, what=what, atol=1e-5)
 
 
-@exercise("stack_points")
-def check_stack_points(fn) -> None:
-    points = [torch.tensor([float(i), float(-i)]) for i in range(5)]
-    got = call(fn, [p.clone() for p in points])
-    if isinstance(got, torch.Tensor) and got.shape == (10,):
-        raise ExerciseFailed("got shape (10,): torch.cat joins along an existing dimension; torch.stack adds a new one")
-    expect_tensor(got, stack_points(points), what="stack_points(list of 5 tensors of shape (2,))")
+def _camera_frames(seed: int, n: int, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+    """n distinct frames: frame t holds values in [20 t, 20 t + 19]."""
+    g = _generator(seed)
+    base = torch.randint(0, 20, shape, generator=g)
+    frames = torch.stack([base + 20 * t for t in range(n)])
+    if np.issubdtype(dtype, np.floating):
+        frames = frames + torch.rand(frames.shape, generator=g, dtype=torch.float64)
+    return frames.numpy().astype(dtype)
+
+
+@exercise("record_frames")
+def check_record_frames(fn) -> None:
+    array_first = "camera.read() gives a NumPy array: make a tensor of it first"
+    hints = {"object has no attribute 'to'": array_first, "object has no attribute 'float'": array_first, "expected Tensor as element": array_first}
+    cases = [(np.uint8, (3, 5), 4), (np.float32, (4, 2), 3), (np.float64, (2, 3), 2), (np.float32, (3, 3), 1)]
+    for k, (dtype, shape, n) in enumerate(cases):
+        frames = _camera_frames(k, n + 2, shape, dtype)
+        camera = Camera(frames)
+        shown = f"a camera of {np.dtype(dtype).name} frames of shape {shape}, n={n}"
+        got = call(fn, camera, n, name="record_frames", shown=shown, hints=hints)
+        what = f"record_frames({shown})"
+        if camera.reads != n:
+            raise ExerciseFailed(f"{what} read {camera.reads} frame(s) from the camera, expected {n}: read each frame once")
+        expected = torch.from_numpy(frames[:n].astype(np.float32))
+        if isinstance(got, torch.Tensor) and tuple(got.shape) == (n * shape[0], shape[1]) and n > 1:
+            raise ExerciseFailed(
+                f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}: the frames are joined along their rows; "
+                "stack them along a new first dimension"
+            )
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected, atol=1e-6) and n > 1:
+            last = expected[-1].expand_as(expected)
+            if _same(got, last, atol=1e-6) and dtype == np.float32 and k > 0:
+                raise ExerciseFailed(
+                    f"{what}: every frame of your result is the last one read, though uint8 frames worked: a conversion that finds "
+                    "the dtype already right returns the same memory (.float(), .to(torch.float32), torch.as_tensor, np.asarray), so nothing was copied"
+                )
+            if _same(got, last, atol=1e-6):
+                raise ExerciseFailed(
+                    f"{what}: every frame of your result is the last one read: camera.read() returns the same array every time, "
+                    "refilled in place, so whatever keeps that array (a list of it, or torch.from_numpy, which shares its memory) "
+                    "ends up with the last frame only: copy each frame when you read it"
+                )
+            if _same(got, expected.flip(0), atol=1e-6):
+                raise ExerciseFailed(f"{what}: the right frames in reverse order: frame 0 is the first one read")
+            if dtype == np.uint8 and _same(got * 255, expected, atol=1e-3):
+                raise ExerciseFailed(f"{what}: your values are divided by 255: keep the values the camera gives")
+        expect_tensor(got, expected, what=what)
+        kept = got.clone()
+        camera.read()
+        if not torch.equal(got, kept):
+            raise ExerciseFailed(
+                f"{what}: your result changed when the camera read its next frame: it still shares memory with the camera's array; "
+                "copy each frame"
+            )
+
+
+def _batch(seed: int) -> dict:
+    g = _generator(seed)
+    return {
+        "pixels": torch.randn(2, 3, 4, dtype=torch.float64, generator=g),
+        "target": torch.tensor([11, 3]),
+        "valid": torch.tensor([[True, False, True], [False, True, True]]),
+        "scale": torch.rand(2, generator=g).to(torch.bfloat16),
+        "offset": torch.tensor([0.25, -1.5]),
+        "paths": ["scan_07.npy", "scan_12.npy"],
+        "step": 40,
+    }
+
+
+@exercise("batch_to")
+def check_batch_to(fn) -> None:
+    hints = {
+        "NVIDIA driver": "there is no CUDA GPU here: move tensors with .to(device), to the device you are given",
+        "not compiled with CUDA": "there is no CUDA GPU here: move tensors with .to(device), to the device you are given",
+        "object has no attribute 'to'": "only tensors have .to(); leave other values as they are",
+    }
+    for device in ("cpu", torch.device("meta")):
+        batch = _batch(3)
+        originals = dict(batch)
+        saved = {k: v.clone() for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        shown = f"a dict of {len(batch)} entries, device={device!r}"
+        got = call(fn, batch, device, name="batch_to", shown=shown, hints=hints)
+        what = f"batch_to({shown})"
+        if set(batch) != set(originals) or any(batch[k] is not originals[k] for k in originals):
+            raise ExerciseFailed(f"{what} changed the caller's dict: build and return a new one")
+        for key, copy in saved.items():
+            now = originals[key]
+            if now.dtype != copy.dtype or now.device != copy.device or not torch.equal(now, copy):
+                raise ExerciseFailed(f"{what} changed the caller's tensor batch[{key!r}]: .to() gives you a new tensor, leave the old one alone")
+        if got is batch:
+            raise ExerciseFailed(f"{what} returned the caller's dict itself: return a new dict")
+        if not isinstance(got, dict):
+            raise ExerciseFailed(f"{what} is {a_type(got)}, expected a dict")
+        missing = [k for k in batch if k not in got]
+        if missing:
+            raise ExerciseFailed(f"{what} has no {', '.join(map(repr, missing))}: keep every entry, tensor or not")
+        extra = [k for k in got if k not in batch]
+        if extra:
+            raise ExerciseFailed(f"{what} has entries the batch did not have: {', '.join(map(repr, extra))}")
+        expected = batch_to(batch, device)
+        for key, want in expected.items():
+            have = got[key]
+            item = f"{what}[{key!r}]"
+            if not isinstance(want, torch.Tensor):
+                if isinstance(have, torch.Tensor):
+                    raise ExerciseFailed(f"{item} became a tensor; leave values that are not tensors as they are")
+                expect_equal(have, want, what=item)
+                continue
+            if not isinstance(have, torch.Tensor):
+                raise ExerciseFailed(f"{item} is {a_type(have)}, expected a tensor")
+            if have.device.type != want.device.type:
+                raise ExerciseFailed(
+                    f"{item} is on {have.device.type}, expected {want.device.type}: move every tensor to the device you are given "
+                    "(the check uses 'meta', a device every PyTorch has, which keeps shapes and dtypes but no values)"
+                )
+            if not batch[key].is_floating_point() and have.dtype != want.dtype:
+                raise ExerciseFailed(f"{item}: expected dtype {want.dtype}, got {have.dtype}: only floating-point tensors become float32")
+            if want.device.type == "meta":
+                if have.dtype != want.dtype or have.shape != want.shape:
+                    raise ExerciseFailed(f"{item}: expected {want.dtype} of shape {tuple(want.shape)}, got {have.dtype} of shape {tuple(have.shape)}")
+                continue
+            expect_tensor(have, want, what=item)
