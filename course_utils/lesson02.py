@@ -1,14 +1,50 @@
-"""Lesson 02 (autograd): reference solutions and the checks for its exercises."""
+"""Lesson 02 (autograd): reference solutions, the checks for its exercises, and the graph figure."""
 
-from typing import Callable
+import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from course_utils.tooling.checks import ExerciseFailed, call, exercise, expect_tensor, scoreboard_for
+from course_utils.tooling.checks import (
+    ExerciseFailed,
+    a_type,
+    call,
+    exercise,
+    expect_shape,
+    expect_tensor,
+    scoreboard_for,
+)
 
 scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
 # Reference solutions. The checks compare the learner's answers with these.
+
+
+def count_ops(t: torch.Tensor) -> dict[str, int]:
+    """How many backward nodes of each kind t's graph holds, each node once, AccumulateGrad left out."""
+    counts: dict[str, int] = {}
+    seen = set()
+    todo = [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        if name != "AccumulateGrad":
+            counts[name] = counts.get(name, 0) + 1
+        todo.extend(parent for parent, _ in node.next_functions)
+    return counts
+
+
+def jacobian(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The (m, n) Jacobian of a 1-D y with respect to a 1-D leaf x, one pass through y's graph per row."""
+    rows = []
+    for v in torch.eye(len(y), dtype=y.dtype):
+        (row,) = torch.autograd.grad(y, x, v, retain_graph=True)  # the caller may still backpropagate through y
+        rows.append(row)
+    return torch.stack(rows)
 
 
 def grad_at(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -18,31 +54,11 @@ def grad_at(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch
     return grad
 
 
-def predict(w: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x @ w + b, computed without recording a graph."""
-    with torch.no_grad():
-        return x @ w + b
-
-
-def sgd_step(w: torch.Tensor, b: torch.Tensor, x: torch.Tensor, y: torch.Tensor, lr: float) -> float:
-    """One gradient-descent step on the mean squared error of x @ w + b; return the loss before the step."""
-    loss = ((x @ w + b - y) ** 2).mean()
-    loss.backward()
-    with torch.no_grad():
-        w -= lr * w.grad
-        b -= lr * b.grad
-    w.grad = None
-    b.grad = None
-    return loss.item()
-
-
-def accumulate_grads(w: torch.Tensor, b: torch.Tensor, x: torch.Tensor, y: torch.Tensor, n_micro: int) -> None:
-    """Leave in w.grad and b.grad the full-batch MSE gradient, computed one micro-batch at a time."""
-    w.grad = None
-    b.grad = None
-    for xs, ys in zip(x.chunk(n_micro), y.chunk(n_micro)):
-        loss = ((xs @ w + b - ys) ** 2).mean() / n_micro
-        loss.backward()
+def frozen_features(encoder: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """encoder(x) computed under inference_mode, returned as a normal tensor that a later graph can save."""
+    with torch.inference_mode():
+        features = encoder(x)
+    return features.clone()  # outside inference_mode: an ordinary tensor
 
 
 class LeakyReLU(torch.autograd.Function):
@@ -71,27 +87,117 @@ def round_ste(x: torch.Tensor) -> torch.Tensor:
     return x + (x.round() - x).detach()
 
 
+def nan_culprit(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> str | None:
+    """The name of the backward node that first outputs NaN when f(x).sum() is backpropagated to x, or None."""
+    x = x.detach().requires_grad_()
+    try:
+        with torch.autograd.detect_anomaly():
+            torch.autograd.grad(f(x).sum(), x)
+    except RuntimeError as err:  # "Function 'SqrtBackward0' returned nan values in its 0th output."
+        return str(err).split("'")[1]
+    return None
+
+
+# The figure of section 2.
+
+
+def _graph(root) -> tuple[list, list[tuple]]:
+    """The nodes of the graph behind the node `root`, each once in breadth-first order, and its distinct edges."""
+    nodes, edges, queue = [root], [], [root]
+    while queue:
+        node = queue.pop(0)
+        for parent, _ in node.next_functions:
+            if parent is None:
+                continue
+            if (node, parent) not in edges:
+                edges.append((node, parent))
+            if parent not in nodes:
+                nodes.append(parent)
+                queue.append(parent)
+    return nodes, edges
+
+
+class _NoGradient:
+    """Stands in the figure for a None in next_functions: an input that needs no gradient."""
+
+
+def draw_graph(root: torch.Tensor, names: dict[str, torch.Tensor] | None = None, *, ax: Any = None, title: str = "") -> Any:
+    """Draw the backward graph behind the tensor `root`: a box per node, an arrow per link backward() follows; return the Axes."""
+    import matplotlib.pyplot as plt  # here, not at the top: the checker imports this module and needs no matplotlib
+
+    if root.grad_fn is None:
+        raise ValueError("root has no grad_fn: it is a leaf or needs no gradient, so there is no graph to draw")
+    names = names or {}
+    nodes, edges = _graph(root.grad_fn)
+    for node in list(nodes):  # each None in next_functions gets a box of its own
+        for parent, _ in node.next_functions:
+            if parent is None:
+                stand_in = _NoGradient()
+                nodes.append(stand_in)
+                edges.append((node, stand_in))
+    depth = {node: 0 for node in nodes}
+    for _ in nodes:  # the longest path from the root, so that every arrow points down
+        for child, parent in edges:
+            depth[parent] = max(depth[parent], depth[child] + 1)
+    layers: dict[int, list] = {}
+    for node in nodes:
+        layers.setdefault(depth[node], []).append(node)
+    where = {node: (i - (len(layer) - 1) / 2, -level) for level, layer in layers.items() for i, node in enumerate(layer)}
+    if ax is None:
+        _, ax = plt.subplots(figsize=(2.2 * max(map(len, layers.values())) + 1, 0.9 * len(layers) + 0.6))
+    boxes = {}
+    for node in nodes:
+        style = {"boxstyle": "round,pad=0.35", "facecolor": "#dbe9f6", "edgecolor": "0.3"}
+        label = type(node).__name__
+        if isinstance(node, _NoGradient):
+            label = "None\n(needs no gradient)"
+            style.update(facecolor="white", edgecolor="0.6", linestyle="--")
+        elif hasattr(node, "variable"):  # AccumulateGrad: where the gradient lands in a leaf's .grad
+            leaf = next((name for name, t in names.items() if t is node.variable), "a leaf")
+            label, style["facecolor"] = f"{label}\n-> {leaf}.grad", "#d9f0d3"
+        elif node is root.grad_fn:
+            style["facecolor"] = "#fde0c5"
+        boxes[node] = ax.text(*where[node], label, ha="center", va="center", fontsize=8.5, bbox=style,
+                              color="0.45" if isinstance(node, _NoGradient) else "black")
+    for child, parent in edges:
+        dashed = isinstance(parent, _NoGradient)
+        ax.annotate("", xy=where[parent], xytext=where[child], arrowprops={
+            "arrowstyle": "-|>", "color": "0.6" if dashed else "0.3", "linestyle": "--" if dashed else "-",
+            "patchA": boxes[child].get_bbox_patch(), "patchB": boxes[parent].get_bbox_patch(), "shrinkA": 2, "shrinkB": 2})
+    half = max(len(layer) for layer in layers.values()) / 2
+    ax.set_xlim(-half - 0.1, half + 0.1)
+    ax.set_ylim(-max(layers) - 0.6, 0.6)
+    ax.axis("off")
+    if title:
+        ax.set_title(title, fontsize=9, family="monospace")
+    return ax
+
+
 # Helpers for the checks.
 
 # Autograd's wording of the errors this lesson's exercises run into, and what they mean there.
 HINTS = {
     "a leaf Variable that requires grad is being used in an in-place operation": (
-        "update parameters inside `with torch.no_grad():`"
+        "an in-place change of a leaf that requires grad must run under torch.no_grad()"
     ),
     "does not require grad and does not have a grad_fn": (
         "backward() needs a result computed from a tensor that requires grad: call requires_grad_() on your leaf, and look for a .detach() that cut the graph"
     ),
-    "Trying to backward through the graph a second time": "run the forward pass again before each backward()",
-    "object has no attribute 'zero_'": "a .grad is None until a backward() reaches it: clear it with `.grad = None` instead",
+    "Trying to backward through the graph a second time": "run the forward pass again, or pass retain_graph=True to every pass but the last",
+    "grad can be implicitly created only for scalar outputs": (
+        "the output is not a scalar: reduce it (.sum()) or pass a gradient of its shape, the v of a vector-Jacobian product"
+    ),
+    "object has no attribute 'next_functions'": "grad_fn is None for a leaf and for a tensor that needs no gradient: such a tensor has no graph",
     "incorrect number of gradients": "backward() returns one gradient per input of forward(): `return grad_x, None`, None for the number slope",
     "modified by an inplace operation": "an in-place op changed a tensor autograd had saved; use the out-of-place version",
     "Can't call numpy() on Tensor that requires grad": "stay in torch, or call .detach() first",
+    "returned nan values in its": "anomaly detection raises a RuntimeError at the first NaN: catch it (try/except) and read the node's name from its message",
 }
 
 
-def _call(fn, *args):
-    """call(), with this lesson's hints added to the errors autograd raises."""
-    return call(fn, *args, hints=HINTS)
+def _call(fn, *args, shown: str | None = None, hints: dict[str, str] | None = None):
+    """call(), with this lesson's hints (and the exercise's own, which win) added to the errors autograd raises."""
+    return call(fn, *args, shown=shown, hints={**HINTS, **(hints or {})})
 
 
 def _close(a, b, atol: float = 1e-5) -> bool:
@@ -99,6 +205,7 @@ def _close(a, b, atol: float = 1e-5) -> bool:
         isinstance(a, torch.Tensor)
         and isinstance(b, torch.Tensor)
         and a.shape == b.shape
+        and not a.is_complex()
         and torch.allclose(a.detach().double(), b.detach().double(), atol=atol, rtol=1e-4)
     )
 
@@ -107,23 +214,14 @@ def _randn(*shape: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(shape, generator=generator)
 
 
-def _regression(seed: int, n: int = 8, d: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (n, d), y (n,), and starting values for w (d,) and b (a 0-d tensor)."""
-    g = torch.Generator().manual_seed(seed)
-    return _randn(n, d, generator=g), _randn(n, generator=g), _randn(d, generator=g), _randn(generator=g)
+def _same_grad(before: torch.Tensor | None, after: torch.Tensor | None) -> bool:
+    if before is None or after is None:
+        return before is None and after is None
+    return after.shape == before.shape and torch.equal(after, before)
 
 
-def _leaves(*values: torch.Tensor) -> list[torch.Tensor]:
-    return [v.clone().requires_grad_() for v in values]
-
-
-def _mse_grads(w: torch.Tensor, b: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    w, b = _leaves(w.detach(), b.detach())
-    return torch.autograd.grad(((x @ w + b - y) ** 2).mean(), (w, b))
-
-
-class _Scalar:
-    """A named scalar function for grad_at's hidden cases (its repr shows in messages)."""
+class _Named:
+    """A function shown by its formula in the checks' messages."""
 
     def __init__(self, text: str, fn: Callable[[torch.Tensor], torch.Tensor]):
         self.text, self.fn = text, fn
@@ -135,25 +233,227 @@ class _Scalar:
         return f"lambda x: {self.text}"
 
 
-_A = torch.tensor([[1.0, 2.0, 0.0], [-1.0, 0.5, 3.0], [0.0, 1.0, -2.0]])
-_FUNCTIONS = [
-    _Scalar("(x ** 2).sum()", lambda x: (x**2).sum()),
-    _Scalar("(x.sin() * x).sum()", lambda x: (x.sin() * x).sum()),
-    _Scalar("x @ A @ x", lambda x: x @ _A @ x),
-    _Scalar("x.exp().mean()", lambda x: x.exp().mean()),
-]
-
-
 # Checks, one per exercise, in notebook order.
+
+
+class _Halve(torch.autograd.Function):
+    """A custom Function in one hidden graph of count_ops: its node is a _HalveBackward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x / 2
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output / 2
+
+
+def _count_graphs() -> list[tuple[str, torch.Tensor, list[torch.Tensor]]]:
+    """(description, tensor, leaves) for count_ops: shared nodes, repeated kinds, a multi-output op, a custom node, no graph."""
+    g = torch.Generator().manual_seed(21)
+    x = _randn(4, 3, generator=g)
+    w = _randn(3, generator=g).requires_grad_()
+    b = _randn(generator=g).requires_grad_()
+    h = torch.tanh(x @ w + b)
+    shared = (h * h).sum() + (h * 3).mean()
+    v = _randn(6, generator=g).requires_grad_()
+    a, c = v.chunk(2)
+    custom = _Halve.apply(a) * c + a.exp()
+    u = _randn(5, generator=g).requires_grad_()
+    chain = u
+    for _ in range(11):
+        chain = chain.sin() * 1.1
+    return [
+        ("t = (h * h).sum() + (h * 3).mean() with h = torch.tanh(x @ w + b)", shared, [w, b]),
+        ("t = Halve.apply(a) * c + a.exp() with a, c = v.chunk(2), Halve a custom Function", custom, [v]),
+        ("t = u.sin() * 1.1, eleven times over", chain, [u]),
+        ("t = a leaf that requires grad", u, [u]),
+        ("t = data that needs no gradient", x, []),
+    ]
+
+
+def _count_per_path(node) -> dict[str, int]:
+    """count_ops without the seen set: a node reached along k paths counted k times."""
+    counts: dict[str, int] = {}
+    if node is None:
+        return counts
+    if type(node).__name__ != "AccumulateGrad":
+        counts[type(node).__name__] = 1
+    for parent, _ in node.next_functions:
+        for name, n in _count_per_path(parent).items():
+            counts[name] = counts.get(name, 0) + n
+    return counts
+
+
+def _count_one_level(node) -> dict[str, int]:
+    """count_ops that stops at t.grad_fn's direct inputs."""
+    counts = {type(node).__name__: 1}
+    for parent, _ in node.next_functions:
+        if parent is not None and type(parent).__name__ != "AccumulateGrad":
+            counts[type(parent).__name__] = counts.get(type(parent).__name__, 0) + 1
+    return counts
+
+
+def _first_difference(expected: dict[str, int], got: dict) -> str:
+    for name in sorted(set(expected) | set(got), key=str):
+        if expected.get(name, 0) != got.get(name, 0):
+            return f"{name!r}: expected {expected.get(name, 0)}, got {got.get(name, 0)}"
+    return ""
+
+
+@exercise("count_ops")
+def check_count_ops(fn) -> None:
+    for text, t, leaves in _count_graphs():
+        expected = count_ops(t)
+        what = f"count_ops(t) for {text}"
+        got = _call(fn, t, shown=f"tensor of shape {tuple(t.shape)}")
+        if any(leaf.grad is not None for leaf in leaves):
+            raise ExerciseFailed("count_ops ran backward(), which filled the leaves' .grad: only read the graph, through grad_fn and next_functions")
+        if got is None:
+            raise ExerciseFailed(f"{what} returned None: did you forget to `return` the dict?")
+        if isinstance(got, (list, tuple, set)) and all(isinstance(k, str) for k in got):
+            raise ExerciseFailed(f"{what} is a {type(got).__name__} of names: count them, in a dict such as {{'MulBackward0': 2}}")
+        if not isinstance(got, dict):
+            raise ExerciseFailed(f"{what} is {a_type(got)}, expected a dict such as {{'MulBackward0': 2}}")
+        got = dict(got)
+        keys = list(got)
+        if any(isinstance(k, type) for k in keys):
+            raise ExerciseFailed(f"{what}: the keys are classes; use their names, type(node).__name__")
+        if any(isinstance(k, torch.autograd.graph.Node) for k in keys):
+            raise ExerciseFailed(f"{what}: the keys are the nodes themselves; use their class names, type(node).__name__, and count")
+        if not all(isinstance(k, str) for k in keys):
+            raise ExerciseFailed(f"{what}: the keys must be node names (str), got {type(next(k for k in keys if not isinstance(k, str))).__name__}")
+        if any(" object at " in k for k in keys):
+            raise ExerciseFailed(f"{what}: the keys are str(node), such as '<MulBackward0 object at 0x...>'; use type(node).__name__")
+        if "NoneType" in got or "None" in got:
+            raise ExerciseFailed(
+                f"{what} counts None as a node: None in next_functions stands for an input that needs no gradient; skip it"
+            )
+        if any("AccumulateGrad" in k for k in keys):
+            raise ExerciseFailed(f"{what} counts AccumulateGrad nodes: they stand for leaves, not operations; leave them out")
+        if not all(type(n) is int for n in got.values()):
+            raise ExerciseFailed(f"{what}: the counts must be Python ints, got {type(next(n for n in got.values() if type(n) is not int)).__name__}")
+        if got == expected:
+            continue
+        root = t.grad_fn
+        if root is None:
+            raise ExerciseFailed(f"{what}: expected {{}}, since t has no graph (its grad_fn is None), got {got}")
+        per_path = _count_per_path(root)
+        if got == per_path:
+            name = max(expected, key=lambda k: per_path[k] / expected[k])  # the most over-counted: a shared node
+            nodes = f"{expected[name]} node{'s' if expected[name] > 1 else ''}"
+            raise ExerciseFailed(
+                f"{what}: a node reached along several paths was counted once per path ({name!r} is {nodes}, counted {per_path[name]} times); remember the nodes already seen"
+            )
+        if len(expected) < sum(expected.values()) and got == dict.fromkeys(expected, 1):
+            name = next(k for k, n in expected.items() if n > 1)
+            raise ExerciseFailed(
+                f"{what} counts each kind once, but separate nodes of one kind count separately ({name!r}: expected {expected[name]}); remember nodes, not names"
+            )
+        without_root = {**expected, type(root).__name__: expected[type(root).__name__] - 1}
+        if got == {k: n for k, n in without_root.items() if n}:
+            raise ExerciseFailed(f"{what} leaves out t.grad_fn itself ({type(root).__name__}): the last operation counts too")
+        if got == _count_one_level(root):
+            raise ExerciseFailed(f"{what} counts only t.grad_fn and its direct inputs: follow next_functions all the way back to the leaves")
+        raise ExerciseFailed(f"{what}: {_first_difference(expected, got)} (expected {expected})")
+    for text, t, leaves in _count_graphs()[:1]:  # the graph must still work after the walk
+        _call(fn, t, shown=f"tensor of shape {tuple(t.shape)}")
+        try:
+            torch.autograd.grad(t, leaves)
+        except RuntimeError as err:
+            raise ExerciseFailed(f"after count_ops, t's graph no longer works ({str(err).splitlines()[0][:70]}...): only read the graph") from None
+
+
+def _jacobian_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+    """(description, y, x, other leaves) for jacobian: dense rows, another leaf, stale gradients, float64, m = 1, n = 1."""
+    g = torch.Generator().manual_seed(31)
+    m = _randn(4, 3, generator=g)
+    x1 = _randn(3, generator=g).requires_grad_()
+    p = _randn(2, generator=g).requires_grad_()
+    x1.grad, p.grad = _randn(3, generator=g), _randn(2, generator=g)  # gradients the caller still needs
+    y1 = torch.cat([torch.tanh(m @ x1) * p[0], (x1.exp() * p[1]).sum().reshape(1)])
+    x2 = _randn(4, generator=g).double().requires_grad_()
+    y2 = torch.stack([(x2**2).sum(), (x2.sin() * x2.roll(1)).sum()])
+    x3 = torch.tensor([0.7], requires_grad=True)
+    y3 = torch.cat([x3**3, x3.sin(), 2 * x3])
+    x4 = _randn(3, generator=g).requires_grad_()
+    y4 = (x4.exp() * x4).sum().reshape(1)
+    return [
+        ("y = cat([tanh(M @ x) * p[0], [(x.exp() * p[1]).sum()]]), x and p holding gradients", y1, x1, {"p": p}),
+        ("y = stack([(x ** 2).sum(), (x.sin() * x.roll(1)).sum()]) in float64", y2, x2, {}),
+        ("y = cat([x ** 3, x.sin(), 2 * x]) for x of one element", y3, x3, {}),
+        ("y = (x.exp() * x).sum().reshape(1), a single output", y4, x4, {}),
+    ]
+
+
+JACOBIAN_HINTS = {
+    "Trying to backward through the graph a second time": (
+        "each pass frees y's graph unless you pass retain_graph=True; the caller needs the graph afterwards too, so pass it on every pass"
+    ),
+    "Mismatch in shape": "the gradient you pass for y (the v of the vector-Jacobian product) must have y's shape",
+}
+
+
+@exercise("jacobian")
+def check_jacobian(fn) -> None:
+    for text, y, x, others in _jacobian_cases():
+        expected = jacobian(y, x)
+        m, n = expected.shape
+        what = f"jacobian(y, x) for {text}"
+        x_before, x_grad = x.detach().clone(), None if x.grad is None else x.grad.clone()
+        other_grads = {name: None if t.grad is None else t.grad.clone() for name, t in others.items()}
+        got = _call(fn, y, x, shown=f"y of shape ({m},), x of shape ({n},)", hints=JACOBIAN_HINTS)
+        if not _same_grad(x_grad, x.grad):
+            if x.grad is None:
+                raise ExerciseFailed("jacobian set x.grad to None: the gradient the caller kept there is lost; torch.autograd.grad leaves .grad alone")
+            raise ExerciseFailed("jacobian changed x.grad: backward() adds into .grad; torch.autograd.grad returns the gradient and leaves .grad alone")
+        for name, leaf in others.items():
+            if not _same_grad(other_grads[name], leaf.grad):
+                raise ExerciseFailed(
+                    f"jacobian changed {name}.grad, the gradient of another leaf of y's graph: backward() fills every leaf it reaches; torch.autograd.grad(y, x, ...) computes x's alone"
+                )
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and m > 1:
+            if _close(got, expected.cumsum(0)):
+                raise ExerciseFailed(f"{what}: row i holds the sum of rows 0 to i: .grad accumulates across backward() calls")
+            if _close(got, expected.sum(0).expand(m, n)):
+                raise ExerciseFailed(
+                    f"{what}: every row is the sum of all rows, the vector-Jacobian product with v = ones; row i needs a v that picks out y[i]"
+                )
+        if not isinstance(got, torch.Tensor):
+            expect_tensor(got, expected, what=what)  # None, a list, an array: each has its own line
+        expect_shape(got, (m, n), what=what)
+        if got.requires_grad:
+            raise ExerciseFailed(
+                f"{what} is still attached to a graph (grad_fn={type(got.grad_fn).__name__}): return a plain tensor (no create_graph=True, or .detach() it)"
+            )
+        expect_tensor(got, expected, what=what, atol=1e-5)
+        if not torch.equal(x.detach(), x_before) or not x.requires_grad or not x.is_leaf:
+            raise ExerciseFailed("jacobian changed the caller's x (its values or its requires_grad): only read the graph")
+        try:
+            torch.autograd.grad(y, x, torch.ones_like(y), retain_graph=True)
+        except RuntimeError as err:
+            if "second time" in str(err):
+                raise ExerciseFailed(
+                    "after jacobian returned, y's graph was freed: the caller can no longer backpropagate through y; pass retain_graph=True on the last pass too"
+                ) from None
+            raise ExerciseFailed(f"after jacobian returned, y's graph no longer works: {str(err).splitlines()[0][:100]}") from None
+
+
+_GRAD_AT_FUNCTIONS = [
+    _Named("(x ** 2).sum()", lambda x: (x**2).sum()),
+    _Named("(x.sin() * x).sum()", lambda x: (x.sin() * x).sum()),
+    _Named("x @ A @ x", lambda x: x @ torch.tensor([[1.0, 2.0, 0.0], [-1.0, 0.5, 3.0], [0.0, 1.0, -2.0]], dtype=x.dtype) @ x),
+    _Named("x.exp().mean()", lambda x: x.exp().mean()),
+]
 
 
 @exercise("grad_at")
 def check_grad_at(fn) -> None:
     g = torch.Generator().manual_seed(5)
-    for f in _FUNCTIONS:
-        x = _randn(3, generator=g)
+    for i, f in enumerate(_GRAD_AT_FUNCTIONS):
+        x = _randn(3, generator=g).to(torch.float64 if i == 2 else torch.float32)  # float64 once: the dtype must stay
         expected = grad_at(f, x)
-        what = f"grad_at({f!r}, tensor of shape (3,))"
+        what = f"grad_at({f!r}, {x.dtype} tensor of shape (3,))"
         got = _call(fn, f, x)
         if got is None:
             raise ExerciseFailed(
@@ -179,7 +479,7 @@ def check_grad_at(fn) -> None:
     x = _randn(3, generator=g).requires_grad_()
     stale = torch.full((3,), 5.0)
     x.grad = stale.clone()
-    f = _FUNCTIONS[1]
+    f = _GRAD_AT_FUNCTIONS[1]
     expected = grad_at(f, x)
     got = _call(fn, f, x)
     if _close(got, expected + stale):
@@ -193,133 +493,93 @@ def check_grad_at(fn) -> None:
     expect_tensor(got, expected, what=f"grad_at({f!r}, a tensor that requires grad)", atol=1e-5)
     if x.grad is None or not torch.equal(x.grad, stale):
         raise ExerciseFailed("grad_at changed the caller's x.grad: work on x.detach().requires_grad_(), a new leaf")
+    if not x.requires_grad or not x.is_leaf:
+        raise ExerciseFailed("grad_at changed the caller's x, which must stay a leaf that requires grad")
 
 
-@exercise("predict")
-def check_predict(fn) -> None:
-    for seed, n in ((4, 5), (6, 1)):
-        x, _, w0, b0 = _regression(seed, n=n)
-        w, b = _leaves(w0, b0)
-        expected = predict(w, b, x)
-        what = f"predict(w, b, tensor of shape {tuple(x.shape)})"
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t):
-            got = _call(fn, w, b, x)
-        if isinstance(got, torch.Tensor) and got.requires_grad:
-            raise ExerciseFailed(
-                f"{what} is tracked by autograd (grad_fn={type(got.grad_fn).__name__}): compute it inside `with torch.no_grad():`"
-            )
-        if w.grad is not None or b.grad is not None:
-            raise ExerciseFailed("predict filled w.grad or b.grad: a prediction needs no backward()")
-        if isinstance(got, torch.Tensor) and saved:
-            raise ExerciseFailed(
-                "predict recorded a graph (autograd saved tensors for backward) and detached the result afterwards: compute inside `with torch.no_grad():`, so that no graph is built at all"
-            )
-        expect_tensor(got, expected, what=what, atol=1e-5)
+class _Encoder:
+    """A frozen encoder for frozen_features: tanh(x @ weight + bias); it records the modes it ran under and what it returned."""
+
+    def __init__(self, d_in: int, d_out: int, dtype: torch.dtype, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.weight = _randn(d_in, d_out, generator=g).to(dtype).requires_grad_()
+        self.bias = _randn(d_out, generator=g).to(dtype).requires_grad_()
+        self.calls: list[tuple[bool, bool, torch.Tensor]] = []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(x @ self.weight + self.bias)
+        self.calls.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled(), out))
+        return out
+
+    def __repr__(self) -> str:
+        return f"encoder({self.weight.shape[0]} -> {self.weight.shape[1]})"
 
 
-def _expect_updated(name: str, param: torch.Tensor, start: torch.Tensor, version: int) -> None:
-    if not param.requires_grad or not param.is_leaf:
-        raise ExerciseFailed(f"{name} is no longer a leaf that requires grad: update it in place inside `with torch.no_grad():`")
-    if torch.equal(param.detach(), start):
-        raise ExerciseFailed(
-            f"{name} did not change: update it in place ({name} -= lr * {name}.grad) inside torch.no_grad(); `{name} = {name} - ...` only rebinds a local name"
-        )
-    if param._version == version:
-        raise ExerciseFailed(
-            f"{name} changed without autograd seeing it (through .data?): update it with `{name} -= lr * {name}.grad` inside `with torch.no_grad():`"
-        )
-
-
-@exercise("sgd_step")
-def check_sgd_step(fn) -> None:
-    x, y, w0, b0 = _regression(7)
-    lr = 0.1
-    w, b = _leaves(w0, b0)
-    ref_w, ref_b = _leaves(w0, b0)
-    versions = (w._version, b._version)
-    gw, gb = _mse_grads(w0, b0, x, y)
-    loss = _call(fn, w, b, x, y, lr)
-    ref_loss = sgd_step(ref_w, ref_b, x, y, lr)
-    _expect_updated("w", w, w0, versions[0])
-    _expect_updated("b", b, b0, versions[1])
-    if _close(w, w0 + lr * gw):
-        raise ExerciseFailed("w moved up the gradient, so the loss grows: subtract, w -= lr * w.grad")
-    if _close(w, w0 - gw):
-        raise ExerciseFailed("the step ignores lr: w -= lr * w.grad")
-    if _close(w, w0 - lr * len(x) * gw):
-        raise ExerciseFailed("the step is len(x) times too big: use the mean of the squared errors, not their sum")
-    expect_tensor(w.detach(), ref_w.detach(), what="w after one sgd_step", atol=1e-5)
-    expect_tensor(b.detach(), ref_b.detach(), what="b after one sgd_step", atol=1e-5)
-    if isinstance(loss, torch.Tensor):
-        raise ExerciseFailed("sgd_step returned a tensor: return the loss as a Python float with loss.item()")
-    if not isinstance(loss, float):
-        raise ExerciseFailed(f"sgd_step returned a {type(loss).__name__}, expected the loss as a float")
-    if abs(loss - ref_loss) > 1e-4 * max(1.0, abs(ref_loss)):
-        raise ExerciseFailed(f"sgd_step returned loss {loss:.6g}, expected {ref_loss:.6g}: the mean squared error before the update")
-    # A second step: gradients left over from the first one must not leak into it.
-    w1, b1 = w.detach().clone(), b.detach().clone()
-    gw1, gb1 = _mse_grads(w1, b1, x, y)
-    _call(fn, w, b, x, y, lr)
-    sgd_step(ref_w, ref_b, x, y, lr)
-    if _close(w, w1 - lr * (gw + gw1)) and not _close(w, ref_w):
-        raise ExerciseFailed(
-            "the second step used the sum of both steps' gradients: .grad accumulates, so clear w.grad and b.grad (set them to None) after each update"
-        )
-    expect_tensor(w.detach(), ref_w.detach(), what="w after two sgd_steps", atol=1e-5)
-    expect_tensor(b.detach(), ref_b.detach(), what="b after two sgd_steps", atol=1e-5)
-
-
-@exercise("accumulate_grads")
-def check_accumulate_grads(fn) -> None:
-    for seed, n_micro in ((8, 3), (9, 4), (10, 1)):
-        x, y, w0, b0 = _regression(seed, n=12)
-        w, b = _leaves(w0, b0)
-        stale = 1.0
-        w.grad, b.grad = torch.full_like(w0, stale), torch.full_like(b0, stale)
-        backward_calls = []
-        handle = w.register_hook(lambda grad: backward_calls.append(1))
+@exercise("frozen_features")
+def check_frozen_features(fn) -> None:
+    g = torch.Generator().manual_seed(41)
+    for (batch, d_in, d_out, dtype), seed in zip(((5, 3, 4, torch.float32), (1, 6, 2, torch.float32), (3, 2, 3, torch.float64)), (1, 2, 3)):
+        encoder = _Encoder(d_in, d_out, dtype, seed)
+        x = _randn(batch, d_in, generator=g).to(dtype)
+        x_before = x.clone()
+        with torch.no_grad():
+            expected = torch.tanh(x @ encoder.weight + encoder.bias)
+        what = f"frozen_features(encoder, tensor of shape {tuple(x.shape)})"
         try:
-            _call(fn, w, b, x, y, n_micro)
+            got = _call(fn, encoder, x, shown=f"{encoder!r}, tensor of shape {tuple(x.shape)}")
         finally:
-            handle.remove()
-        what = f"accumulate_grads(w, b, x of shape {tuple(x.shape)}, y, n_micro={n_micro})"
-        if not torch.equal(w.detach(), w0) or not torch.equal(b.detach(), b0):
-            raise ExerciseFailed("accumulate_grads changed w or b: it only computes gradients, there is no update step here")
-        if w.grad is None or b.grad is None:
-            raise ExerciseFailed(f"after {what}, w.grad or b.grad is None: call backward() on each micro-batch's loss")
-        if not backward_calls:
-            raise ExerciseFailed(f"{what} never ran a backward() that reached w")
-        gw, gb = _mse_grads(w0, b0, x, y)
-        last_x, last_y = x.chunk(n_micro)[-1], y.chunk(n_micro)[-1]
-        lw, _ = _mse_grads(w0, b0, last_x, last_y)
-        if n_micro > 1 and len(backward_calls) == 1:
+            grad_mode_left_off = not torch.is_grad_enabled()
+            torch.set_grad_enabled(True)
+        if torch.is_inference_mode_enabled():
+            raise ExerciseFailed("frozen_features left inference mode switched on for the caller: use a `with torch.inference_mode():` block, which ends it")
+        if grad_mode_left_off:
             raise ExerciseFailed(
-                f"with n_micro={n_micro}, backward() reached w only once: split x and y into micro-batches (x.chunk(n_micro)) and call backward() on each one's loss"
+                "frozen_features left autograd switched off for the caller (torch.is_grad_enabled() was False afterwards): use a `with` block, which restores the mode"
             )
-        if _close(w.grad - stale, gw) or (n_micro > 1 and _close(w.grad - stale, gw * n_micro)):
+        if not encoder.calls:
+            raise ExerciseFailed(f"{what} never called encoder: run encoder(x) under torch.inference_mode()")
+        if len(encoder.calls) > 1:
+            raise ExerciseFailed(f"{what} called encoder {len(encoder.calls)} times: run it once, under torch.inference_mode()")
+        inference, grad_enabled, out = encoder.calls[0]
+        if not inference and grad_enabled:
+            raise ExerciseFailed(f"{what} ran encoder with autograd recording: run it inside `with torch.inference_mode():`")
+        if not inference:
+            raise ExerciseFailed(f"{what} ran encoder with grad mode off, as torch.no_grad() does, not in inference mode: use torch.inference_mode()")
+        if isinstance(got, torch.Tensor) and got.is_inference():
+            if got.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+                raise ExerciseFailed(
+                    f"{what} is the encoder's inference tensor itself (or a view of it, such as .detach()): autograd cannot save it for the head's backward; copy it into a normal tensor after the inference_mode block"
+                )
             raise ExerciseFailed(
-                "w.grad includes the stale gradient it held before the call: clear w.grad and b.grad (set them to None) before the first micro-batch"
+                f"{what} is an inference tensor: everything created inside inference_mode is one, a copy made there included; make the copy after the with block"
             )
-        if n_micro > 1 and _close(w.grad, gw * n_micro):
+        if isinstance(got, torch.Tensor) and got.requires_grad:
+            raise ExerciseFailed(f"{what} requires grad: the features are a constant input for the head; return them without a graph")
+        expect_tensor(got, expected, what=what, atol=1e-6)
+        if not torch.equal(x, x_before):
+            raise ExerciseFailed("frozen_features modified the caller's x in place")
+        if not (encoder.weight.requires_grad and encoder.bias.requires_grad):
             raise ExerciseFailed(
-                f"w.grad is n_micro={n_micro} times too big: divide each micro-batch's mean loss by n_micro before backward()"
+                "frozen_features switched off requires_grad on the encoder's weights: leave the caller's tensors alone; inference_mode alone stops the recording"
             )
-        if n_micro > 1 and (_close(w.grad, lw / n_micro) or _close(w.grad, lw)):
-            raise ExerciseFailed(
-                "w.grad holds only the last micro-batch's gradient: clear the gradients once before the loop, not inside it"
-            )
-        expect_tensor(w.grad, gw, what=f"w.grad after {what}", atol=1e-5)
-        expect_tensor(b.grad, gb, what=f"b.grad after {what}", atol=1e-5)
+        if encoder.weight.grad is not None or encoder.bias.grad is not None:
+            raise ExerciseFailed("frozen_features filled the encoder's .grad: the encoder is frozen, nothing may backpropagate into it")
+        head = _randn(d_out, 2, generator=g).to(dtype).requires_grad_()
+        try:
+            (got @ head).sum().backward()
+        except RuntimeError as err:
+            raise ExerciseFailed(f"a head trained on {what} cannot backpropagate: {str(err).splitlines()[0][:100]}") from None
 
 
 def _grad_through(out: torch.Tensor, x: torch.Tensor, upstream: torch.Tensor, name: str) -> torch.Tensor:
     """d(out * upstream).sum() / dx, with the learner's backward's errors reported in one line."""
     try:
-        (grad,) = torch.autograd.grad(out, x, upstream)
-    except NotImplementedError:
-        raise
-    except Exception as err:
+        (grad,) = torch.autograd.grad(out, x, upstream, allow_unused=True)
+    except NotImplementedError as err:
+        if err.args:
+            raise ExerciseFailed(f"{name}'s backward raised NotImplementedError: {str(err).splitlines()[0]}") from None
+        raise  # the untouched stub: not attempted
+    except Exception as err:  # noqa: BLE001 -- the learner's backward failed: one line, not a traceback
         message = f"{name}'s backward raised {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
         hint = next((h for key, h in HINTS.items() if key in str(err)), None)
         raise ExerciseFailed(f"{message} ({hint})" if hint else message) from None
@@ -332,6 +592,7 @@ def check_leaky_relu(fn) -> None:
     for shape, slope in (((4, 5), 0.2), ((7,), 0.05)):
         x = _randn(*shape, generator=g).requires_grad_()
         upstream = _randn(*shape, generator=g)
+        sent = upstream.clone()  # what autograd hands to backward as grad_output
         what = f"leaky_relu(tensor of shape {shape}, slope={slope})"
         out = _call(fn, x, slope)
         expect_tensor(out, leaky_relu(x.detach(), slope), what=what)
@@ -339,7 +600,11 @@ def check_leaky_relu(fn) -> None:
             raise ExerciseFailed(
                 f"{what} does not go through a custom autograd.Function (its grad_fn is {type(out.grad_fn).__name__}): return LeakyReLU.apply(x, slope)"
             )
-        got = _grad_through(out, x, upstream, "LeakyReLU")
+        got = _grad_through(out, x, sent, "LeakyReLU")
+        if not torch.equal(sent, upstream):
+            raise ExerciseFailed(
+                "LeakyReLU's backward modified grad_output in place: autograd may share that tensor with other nodes (after a sum() it is one value expanded); build a new tensor"
+            )
         positive = x.detach() > 0
         expected = torch.where(positive, upstream, slope * upstream)
         where = "the gradient of a leaky_relu with respect to x"
@@ -355,6 +620,8 @@ def check_leaky_relu(fn) -> None:
             raise ExerciseFailed(f"{where} has the two cases swapped: x > 0 passes grad_output, x <= 0 passes slope * grad_output")
         if _close(got, torch.where(positive, upstream, 0.01 * upstream)):
             raise ExerciseFailed(f"{where} uses slope 0.01 when slope={slope} was passed: read it from ctx.slope")
+        if got is None:
+            raise ExerciseFailed(f"{where} is None: backward must return the gradient for x first, then None for slope")
         expect_tensor(got, expected, what=f"{where} (shape {shape}, slope={slope})", atol=1e-6)
     x = torch.tensor([-2.0, -0.5, 0.3, 1.7], dtype=torch.float64, requires_grad=True)
     if not torch.autograd.gradcheck(lambda t: fn(t, 0.1), (x,), raise_exception=False):
@@ -364,22 +631,27 @@ def check_leaky_relu(fn) -> None:
 @exercise("round_ste")
 def check_round_ste(fn) -> None:
     g = torch.Generator().manual_seed(12)
-    for shape in ((6,), (3, 4)):
-        x = (3 * _randn(*shape, generator=g)).requires_grad_()
+    ties = torch.tensor([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5, 0.25], dtype=torch.float64)  # round half to even
+    for x in (3 * _randn(6, generator=g), 3 * _randn(3, 4, generator=g), ties, torch.tensor(-1.75)):
+        at_ties = x is ties
+        x = x.clone().requires_grad_()
         before = x.detach().clone()
-        upstream = _randn(*shape, generator=g)
-        what = f"round_ste(tensor of shape {shape})"
+        upstream = _randn(*x.shape, generator=g).to(x.dtype)
+        shape = tuple(x.shape)
+        what = f"round_ste({x.dtype} tensor of shape {shape})"
         out = _call(fn, x)
         if not torch.equal(x.detach(), before):
             raise ExerciseFailed("round_ste modified its input in place: use out-of-place ops (x.round(), not x.round_())")
         if _close(out, before):
             raise ExerciseFailed(f"{what} returned x itself: the forward value must be rounded, x.round()")
+        if at_ties and _close(out, (before + 0.5).floor()):
+            raise ExerciseFailed(f"{what}: at a tie such as 2.5, x.round() rounds half to even (2.5 -> 2), floor(x + 0.5) rounds up")
         expect_tensor(out, before.round(), what=what)
         if not out.requires_grad:
             raise ExerciseFailed(
                 f"{what} is not connected to x (no grad_fn): detach only the part that makes the value right, and keep x outside the detach"
             )
-        (got,) = torch.autograd.grad(out, x, upstream, allow_unused=True)
+        got = _grad_through(out, x, upstream, "round_ste")
         where = "the gradient of round_ste"
         if got is None or _close(got, torch.zeros_like(upstream)):
             raise ExerciseFailed(
@@ -394,3 +666,72 @@ def check_round_ste(fn) -> None:
         if _close(got, 2 * upstream):
             raise ExerciseFailed(f"{where} is 2 * grad_output: x's gradient is counted twice; detach everything except one x")
         expect_tensor(got, upstream, what=f"{where} (shape {shape})")
+
+
+# nan_culprit: (f, x, whether the caller's x requires grad and holds a gradient). Each NaN starts in one node.
+_NAN_CASES = [
+    (_Named("torch.where(x > 1, (x - 1).sqrt(), 0.0)", lambda x: torch.where(x > 1, (x - 1).sqrt(), 0.0)), [3.0, 1.0, 0.5, 2.5], False),
+    (_Named("torch.where(x > 0, x * x.log(), 0.0)", lambda x: torch.where(x > 0, x * x.log(), 0.0)), [0.0, 2.0, -3.0], True),
+    (_Named("(x + 1).sqrt()", lambda x: (x + 1).sqrt()), [-1.0, 3.0, 0.5], False),  # an inf in the gradient, but no NaN
+    (_Named("torch.where(x.abs() < 1, x.acos(), 0.0)", lambda x: torch.where(x.abs() < 1, x.acos(), 0.0)), [1.5, 0.25, -0.75], False),
+    (_Named("x ** 3 - 2 * x", lambda x: x**3 - 2 * x), [0.5], True),
+    (_Named("torch.where(x != 0, 1 / x, 0.0)", lambda x: torch.where(x != 0, 1 / x, 0.0)), [-2.0, 0.0, 0.5], False),
+]
+
+
+def _nan_nodes(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> list[str]:
+    """The names of the backward nodes whose output holds NaN, in the order backward runs them."""
+    x = x.detach().requires_grad_()
+    out = f(x).sum()
+    found: list[str] = []
+    nodes, _ = _graph(out.grad_fn)
+    for node in nodes:
+        node.register_hook(lambda grads, _, node=node: found.append(type(node).__name__) if any(
+            g is not None and torch.isnan(g).any() for g in grads) else None)
+    torch.autograd.grad(out, x)
+    return found
+
+
+@exercise("nan_culprit")
+def check_nan_culprit(fn) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # anomaly detection warns on every use; the learner's cell stays quiet
+        for f, values, caller_grad in _NAN_CASES:
+            x = torch.tensor(values)
+            expected = nan_culprit(f, x)
+            if caller_grad:
+                x.requires_grad_()
+                x.grad = torch.full_like(x, 0.5)
+            before, grad_before = x.detach().clone(), None if x.grad is None else x.grad.clone()
+            what = f"nan_culprit({f!r}, x={values})"
+            try:
+                got = _call(fn, f, x, shown=f"{f!r}, tensor({values})")
+            finally:
+                anomaly_left_on = torch.is_anomaly_enabled()
+                torch.autograd.set_detect_anomaly(False)
+            if expected is None and got is not None:
+                raise ExerciseFailed(f"{what}: expected None, the gradient holds no NaN (an inf is not a NaN), got {got!r}")
+            if expected is not None:
+                if got is None:
+                    raise ExerciseFailed(f"{what}: expected {expected!r}, got None, but the gradient of f(x).sum() holds NaN here")
+                if isinstance(got, str) and expected in got and got != expected:
+                    raise ExerciseFailed(f"{what}: return the node's name alone, {expected!r}, not {got[:60]!r}")
+                if not isinstance(got, str):
+                    raise ExerciseFailed(f"{what}: expected the node's name, a str such as {expected!r}, got {type(got).__name__}")
+                if got != expected:
+                    later = _nan_nodes(f, x)[1:]
+                    if got in later:
+                        raise ExerciseFailed(
+                            f"{what}: {got!r} outputs NaN too, but backward runs {expected!r} first, and the first NaN is the culprit (anomaly detection stops there)"
+                        )
+                    raise ExerciseFailed(f"{what}: expected {expected!r}, got {got[:60]!r}")
+            if anomaly_left_on:
+                raise ExerciseFailed("nan_culprit left anomaly detection switched on: use `with torch.autograd.detect_anomaly():`, which restores the setting at the end")
+            if not torch.equal(x.detach(), before):
+                raise ExerciseFailed("nan_culprit modified the caller's x in place")
+            if x.requires_grad != caller_grad:
+                raise ExerciseFailed("nan_culprit switched on requires_grad of the caller's x: make a leaf of your own, x.detach().requires_grad_()")
+            if not _same_grad(grad_before, x.grad):
+                raise ExerciseFailed(
+                    "nan_culprit changed the caller's x.grad: backpropagate into a leaf of your own (x.detach().requires_grad_()), or use torch.autograd.grad"
+                )
