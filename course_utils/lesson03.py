@@ -1,20 +1,24 @@
 """Lesson 03 (nn.Module): reference solutions and the checks for its exercises."""
 
+import itertools
 import math
+import os
+import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from course_utils.tooling.checks import (
     ExerciseFailed,
+    a_type,
     call,
     exercise,
-    expect_equal,
     expect_module,
-    expect_shape,
     expect_tensor,
     expect_unchanged,
     scoreboard_for,
@@ -30,25 +34,31 @@ def _seeded(seed: int) -> Iterator[None]:
     yield
 
 
-def _call(fn: Any, *args, shown: str, name: str | None = None, kind: str = "function") -> Any:
-    """checks.call, describing the (module) arguments by `shown`."""
-    return call(fn, *args, shown=shown, name=name, kind=kind)
-
-
-def _n_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 # Reference solutions. The checks compare the learner's answers with these.
 
-def make_mlp(in_features: int, hidden: int, out_features: int) -> nn.Module:
-    """Linear(in_features, hidden) -> ReLU -> Linear(hidden, out_features)."""
-    return nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, out_features))
+def layer_shapes(model: nn.Sequential, input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The output shape of each layer of model for an input of input_shape, worked out from the layers' settings."""
 
+    def pair(value):
+        return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
 
-def count_trainable(model: nn.Module) -> int:
-    """The number of trainable numbers (elements of parameters with requires_grad=True) in model."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    shape, shapes = list(input_shape), []
+    for layer in model:
+        if isinstance(layer, (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)):
+            kernel, stride, padding = pair(layer.kernel_size), pair(layer.stride), pair(layer.padding)
+            dilation = pair(getattr(layer, "dilation", 1))  # AvgPool2d has no dilation
+            for i, dim in enumerate((-2, -1)):
+                span = dilation[i] * (kernel[i] - 1) + 1
+                shape[dim] = (shape[dim] + 2 * padding[i] - span) // stride[i] + 1
+            if isinstance(layer, nn.Conv2d):
+                shape[-3] = layer.out_channels
+        elif isinstance(layer, nn.Flatten):
+            start, end = layer.start_dim % len(shape), layer.end_dim % len(shape)
+            shape[start : end + 1] = [math.prod(shape[start : end + 1])]
+        elif isinstance(layer, nn.Linear):
+            shape[-1] = layer.out_features
+        shapes.append(tuple(shape))
+    return shapes
 
 
 def freeze_all_but_last(model: nn.Module) -> None:
@@ -57,344 +67,885 @@ def freeze_all_but_last(model: nn.Module) -> None:
     list(model.children())[-1].requires_grad_(True)
 
 
-def init_weights(module: nn.Module) -> None:
-    """For model.apply: xavier-uniform weights and zero biases in every nn.Linear; leave other modules alone."""
-    if isinstance(module, nn.Linear):
-        nn.init.xavier_uniform_(module.weight)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
+def init_relu_net(model: nn.Module) -> None:
+    """Kaiming-normal weights (fan_in, for ReLU) and zero biases in every Conv2d and Linear of model, in place."""
+    for module in model.modules():
+        if isinstance(module, (nn.Conv2d, nn.Linear)):
+            nn.init.kaiming_normal_(module.weight, mode="fan_in", nonlinearity="relu")
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
 
 
-def make_residual(channels: int) -> nn.Module:
-    """A module computing x + f(x), f = Conv2d(3x3, padding 1) -> ReLU -> Conv2d(3x3, padding 1)."""
+def make_causal_attention(embed_dim: int, num_heads: int, max_len: int) -> nn.Module:
+    """Causal multi-head self-attention: (N, L, E) -> (N, L, E), with a fused qkv projection and a mask buffer."""
 
-    class Residual(nn.Module):
+    class CausalSelfAttention(nn.Module):
         def __init__(self):
             super().__init__()
-            self.f = nn.Sequential(
-                nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(), nn.Conv2d(channels, channels, 3, padding=1)
-            )
+            self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
+            self.proj = nn.Linear(embed_dim, embed_dim)
+            allowed = torch.ones(max_len, max_len, dtype=torch.bool).tril()  # query i may see keys j <= i
+            self.register_buffer("allowed", allowed, persistent=False)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.f(x)
+            n, length, _ = x.shape
+            head_dim = embed_dim // num_heads
+            q, k, v = (t.view(n, length, num_heads, head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+            scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
+            scores = scores.masked_fill(~self.allowed[:length, :length], float("-inf"))
+            heads = scores.softmax(dim=-1) @ v
+            return self.proj(heads.transpose(1, 2).reshape(n, length, embed_dim))
 
-    return Residual()
+    return CausalSelfAttention()
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q @ k^T / sqrt(d)) @ v for q (..., L, d), k (..., S, d), v (..., S, dv) -> (..., L, dv)."""
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    return scores.softmax(dim=-1) @ v
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The accuracy of model over batches, in eval mode and without a graph; every module keeps the mode it had."""
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for inputs, labels in batches:
+            correct += (model(inputs).argmax(dim=-1) == labels).sum().item()
+            total += len(labels)
+    for module, training in modes.items():
+        module.training = training
+    return correct / total
 
 
-def load_partial(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> list[str]:
-    """Load the entries of state_dict that fit model; return the keys the model has but state_dict lacks."""
-    return model.load_state_dict(state_dict, strict=False).missing_keys
+def load_pretrained(make_model: Callable[[], nn.Module], path: str) -> nn.Module:
+    """The model make_model() builds, filled from the checkpoint at path without allocating twice or copying; what the file lacks, new."""
+    with torch.device("meta"):
+        model = make_model()
+    checkpoint = torch.load(path, mmap=True)
+    missing = model.load_state_dict(checkpoint, strict=False, assign=True).missing_keys
+    for name in {key.rpartition(".")[0] for key in missing}:
+        layer = model.get_submodule(name)
+        layer.to_empty(device="cpu")
+        layer.reset_parameters()
+    return model
 
 
 # Checks, one per exercise, in notebook order.
 
-def _linears(dims: list[tuple[int, int]]) -> str:
-    return ", ".join(f"Linear({a}, {b})" for a, b in dims)
+# ---- layer_shapes -------------------------------------------------------------------------------
+
+_NO_BATCH = "the shapes leave out the batch dimension: keep it first, as model(x) does"
+_SHAPE_MISTAKES = {
+    "channels": "the channel count does not change at a Conv2d: its output has out_channels channels",
+    "dilation": "the shapes ignore dilation: with dilation d, a kernel of size k spans d * (k - 1) + 1 pixels",
+    "square": "the width uses the height's setting: kernel_size, stride, padding and dilation may be pairs "
+    "(height, width), so read each dimension's own value",
+    "ceil": "the sizes are rounded up: PyTorch rounds the division down (floor, //)",
+    "linear": "a Linear replaced every dimension after the batch: it acts on the last dimension only, the others pass through",
+    "flatten": "Flatten merged every dimension after the batch: it merges its start_dim to its end_dim "
+    "(Flatten(start_dim=2) keeps the channels apart)",
+}
 
 
-@exercise("make_mlp")
-def check_make_mlp(fn) -> None:
-    with _seeded(3), torch.no_grad():
-        for n_in, hidden, n_out in ((5, 7, 3), (12, 32, 2)):
-            what = f"make_mlp({n_in}, {hidden}, {n_out})"
-            model = call(fn, n_in, hidden, n_out)
-            expect_module(model, what=what, layer_types=[nn.Linear])
-            linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-            want = [(n_in, hidden), (hidden, n_out)]
-            if len(linears) != 2:
-                raise ExerciseFailed(f"{what} has {len(linears)} Linear layer(s), expected 2: {_linears(want)}")
-            got = [(layer.in_features, layer.out_features) for layer in linears]
-            if got != want:
-                raise ExerciseFailed(f"{what} has {_linears(got)}, expected {_linears(want)}")
-            n_params = n_in * hidden + hidden + hidden * n_out + n_out
-            if all(layer.bias is None for layer in linears):
-                raise ExerciseFailed(f"{what}'s Linear layers have no bias: keep the default bias=True")
-            expect_module(model, what=what, n_params=n_params)
-            x = torch.randn(4, n_in)
-            out = _call(model, x, shown=f"tensor of shape (4, {n_in})", name=what + "'s model", kind="module")
-            expect_shape(out, (4, n_out), what=f"{what}'s output for an input of shape (4, {n_in})")
-            first, second = linears
-            expected = second(torch.relu(first(x)))
-            if torch.allclose(out, second(first(x)), atol=1e-5):
-                raise ExerciseFailed(
-                    f"{what} has no ReLU between its Linear layers: without one, two Linears collapse into a single linear map"
-                )
-            if torch.allclose(out, torch.relu(expected), atol=1e-5):
-                raise ExerciseFailed(
-                    f"{what} ends with a ReLU: the last Linear's outputs (scores, or logits) must be free to go negative"
-                )
-            expect_tensor(out, expected, what=f"{what}'s output (Linear, ReLU, Linear)", atol=1e-5)
+def _predict(model: nn.Sequential, input_shape: tuple[int, ...], fault: str | None = None) -> list[tuple[int, ...]]:
+    """The shapes layer_shapes should return, or, with `fault`, what one typical mistake returns."""
+
+    def pair(value):
+        value = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+        return (value[0], value[0]) if fault == "square" else value
+
+    shape, shapes = list(input_shape), []
+    for layer in model:
+        if isinstance(layer, (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)):
+            kernel, stride, padding = pair(layer.kernel_size), pair(layer.stride), pair(layer.padding)
+            dilation = (1, 1) if fault == "dilation" else pair(getattr(layer, "dilation", 1))
+            for i, dim in enumerate((-2, -1)):
+                top = shape[dim] + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1
+                shape[dim] = (-(-top // stride[i]) if fault == "ceil" else top // stride[i]) + 1
+            if isinstance(layer, nn.Conv2d) and fault != "channels":
+                shape[-3] = layer.out_channels
+        elif isinstance(layer, nn.Flatten):
+            start, end = (1, -1) if fault == "flatten" else (layer.start_dim, layer.end_dim)
+            start, end = start % len(shape), end % len(shape)
+            shape[start : end + 1] = [math.prod(shape[start : end + 1])]
+        elif isinstance(layer, nn.Linear):
+            shape = shape[:1] + [layer.out_features] if fault == "linear" else shape[:-1] + [layer.out_features]
+        shapes.append(tuple(shape))
+    return shapes
 
 
-def _count_model() -> nn.Module:
-    model = nn.Sequential(nn.Linear(10, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 2))
-    model[0].requires_grad_(False)
-    return model
+def _shape_models() -> list[tuple[nn.Sequential, tuple[int, ...], str]]:
+    """Hidden models: pairs of settings, dilation, padded and default-stride pooling, Flatten(start_dim=2), batch of 1."""
+    first = nn.Sequential(
+        nn.Conv2d(3, 10, kernel_size=(3, 5), stride=(2, 1), padding=(1, 2)), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(10, 12, 3, dilation=2), nn.BatchNorm2d(12), nn.AvgPool2d(3, stride=2, padding=1),
+        nn.Dropout(0.2), nn.Flatten(), nn.Linear(216, 11),
+    )
+    second = nn.Sequential(
+        nn.Conv2d(2, 4, kernel_size=5, stride=3), nn.MaxPool2d((2, 3)), nn.Flatten(start_dim=2), nn.Linear(30, 7), nn.ReLU(),
+    )
+    third = nn.Sequential(
+        nn.Conv2d(1, 6, kernel_size=(4, 3), stride=2, padding=(0, 3), dilation=(1, 2)), nn.ReLU(),
+        nn.MaxPool2d(3, stride=1, padding=1), nn.AvgPool2d((3, 2)), nn.Flatten(), nn.Linear(54, 13),
+    )
+    return [
+        (first, (2, 3, 37, 30), "a 9-layer CNN"),
+        (second, (1, 2, 41, 50), "a CNN ending in Flatten(start_dim=2), Linear"),
+        (third, (3, 1, 20, 9), "a CNN with a dilated (4, 3) kernel"),
+    ]
 
 
-@exercise("count_trainable")
-def check_count_trainable(fn) -> None:
-    with _seeded(4):
-        model = _count_model()
-        shown = "a Sequential with a BatchNorm1d and a frozen first Linear"
-        got = _call(fn, model, shown=shown)
-        expected = count_trainable(model)  # 22
-        if isinstance(got, int) and not isinstance(got, bool):
-            params = list(model.parameters())
-            if got == _n_params(model):
-                raise ExerciseFailed(f"count_trainable({shown}) counted the frozen parameters too: keep only those with p.requires_grad")
-            if got == _n_params(model) - expected:
-                raise ExerciseFailed(f"count_trainable({shown}) counted the frozen parameters instead of the trainable ones")
-            if got in (len(params), sum(p.requires_grad for p in params)):
-                raise ExerciseFailed(f"count_trainable({shown}) counted parameter tensors, not numbers: add up p.numel()")
-            if got in (sum(t.numel() for t in model.state_dict().values()), expected + 11):
-                raise ExerciseFailed(
-                    f"count_trainable({shown}) counted buffers too (BatchNorm's running_mean, running_var, num_batches_tracked): "
-                    "count model.parameters(), not the state_dict"
-                )
-        expect_equal(got, expected, what=f"count_trainable({shown})")
+def _refuse_to_run(module: nn.Module, args: tuple) -> None:
+    raise RuntimeError("layer_shapes must not run the model or its layers: work out each shape from the layers' settings")
 
-        shared = nn.Linear(6, 6)
-        tied = nn.Sequential(shared, nn.ReLU(), shared)  # one layer used twice: its parameters count once
-        shown = "a Sequential that uses the same Linear(6, 6) twice"
-        got = _call(fn, tied, shown=shown)
-        if got == 2 * count_trainable(tied):
-            raise ExerciseFailed(
-                f"count_trainable({shown}) counted the shared layer twice: model.parameters() yields each parameter once"
-            )
-        expect_equal(got, count_trainable(tied), what=f"count_trainable({shown})")
 
+def _run_shapes(model: nn.Sequential, input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The real shapes, by running the layers once (the check's ground truth)."""
+    model.eval()
+    x, shapes = torch.zeros(input_shape), []
+    with torch.no_grad():
+        for layer in model:
+            x = layer(x)
+            shapes.append(tuple(x.shape))
+    return shapes
+
+
+def _as_shapes(got: Any, what: str, n_layers: int, input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The learner's answer as a list of tuples of ints, or a one-line failure saying what it is instead."""
+    if got is None:
+        raise ExerciseFailed(f"{what} is None: did you forget to `return` the list?")
+    if isinstance(got, tuple) and all(isinstance(n, int) for n in got):
+        raise ExerciseFailed(f"{what} is a single shape {tuple(got)}: return a list with one shape per layer")
+    if not isinstance(got, list):
+        raise ExerciseFailed(f"{what} is {a_type(got)}, expected a list of shapes, one per layer")
+    if len(got) == n_layers + 1 and got[0] == tuple(input_shape):
+        raise ExerciseFailed(f"{what} starts with the input's shape: list only what each of the {n_layers} layers returns")
+    if len(got) != n_layers:
+        raise ExerciseFailed(f"{what} has {len(got)} shapes, expected {n_layers}, one per layer")
+    for i, shape in enumerate(got):
+        if isinstance(shape, torch.Tensor) or not isinstance(shape, tuple):
+            raise ExerciseFailed(f"{what}[{i}] is {a_type(shape)}, expected a tuple of ints such as (2, 10, 19, 30)")
+        for n in shape:
+            if isinstance(n, bool) or not isinstance(n, int):
+                hint = ": use // (or int()) so sizes stay whole numbers" if isinstance(n, float) else ""
+                raise ExerciseFailed(f"{what}[{i}] = {shape!r} holds {a_type(n)}, expected ints{hint}")
+    return [tuple(shape) for shape in got]
+
+
+@exercise("layer_shapes")
+def check_layer_shapes(fn) -> None:
+    with _seeded(31):
+        cases = _shape_models()
+    answers = []
+    for model, input_shape, shown in cases:
+        what = f"layer_shapes({shown}, {input_shape})"
+        handles = [m.register_forward_pre_hook(_refuse_to_run) for m in model.modules()]
+        try:
+            got = call(fn, model, input_shape, shown=f"{shown}, {input_shape}")
+        finally:
+            for handle in handles:
+                handle.remove()
+        expected = _run_shapes(model, input_shape)
+        answers.append((model, input_shape, what, _as_shapes(got, what, len(model), input_shape), expected))
+    if all(got[0] == expected[0][1:] for *_, got, expected in answers):
+        raise ExerciseFailed(_NO_BATCH)
+    # A typical mistake is named only when the answer matches it on every hidden model.
+    for fault, message in _SHAPE_MISTAKES.items():
+        predicted = [_predict(model, shape, fault) for model, shape, *_ in answers]
+        if predicted != [expected for *_, expected in answers] and predicted == [got for *_, got, _ in answers]:
+            raise ExerciseFailed(message)
+    for model, _, what, got, expected in answers:
+        for i, (mine, right) in enumerate(zip(got, expected)):
+            if mine != right:
+                raise ExerciseFailed(f"{what}: the output of layer {i}, {model[i]!r}, has shape {right}, got {mine}")
+
+
+# ---- freeze_all_but_last ------------------------------------------------------------------------
 
 class _BackboneHead(nn.Module):
     def __init__(self):
         super().__init__()
-        self.backbone = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+        self.backbone = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+        self.temperature = nn.Parameter(torch.tensor([1.5]))  # registered on the model itself, in no child
         self.head = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone(x))
+        return self.head(self.backbone(x)) / self.temperature
+
+
+def _freeze_cases() -> list[tuple[nn.Module, str, str]]:
+    plain = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 9), nn.Tanh(), nn.Linear(9, 4))
+    model = _BackboneHead()
+    with torch.no_grad():
+        model.backbone[1].running_mean.uniform_(-1, 1)
+    model.head[0].requires_grad_(False)  # frozen by the caller earlier: it must end up trainable
+    model.eval()
+    return [
+        (plain, "a Sequential of 5 layers", "4"),
+        (model, "a model in eval mode with .backbone, .temperature and .head, whose head.0 was frozen", "head"),
+    ]
+
+
+def _snapshot(model: nn.Module) -> dict[str, Any]:
+    return {
+        "modes": {name: m.training for name, m in model.named_modules()},
+        "tensors": {name: t.detach().clone() for name, t in itertools.chain(model.named_parameters(), model.named_buffers())},
+    }
+
+
+def _expect_untouched(model: nn.Module, before: dict[str, Any], where: str) -> None:
+    """Fail if model's modes, parameter or buffer values differ from the snapshot."""
+    for name, training in before["modes"].items():
+        now = model.get_submodule(name).training
+        if now != training:
+            label = f"'{name}'" if name else "the model"
+            raise ExerciseFailed(
+                f"{where} {label} is in {'train' if now else 'eval'} mode, but it was in {'train' if training else 'eval'} mode: "
+                "leave the modes as they were"
+            )
+    now = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
+    for name, value in before["tensors"].items():
+        if name not in now or not torch.equal(now[name].detach(), value):
+            kind = "buffer" if name in dict(model.named_buffers()) else "parameter"
+            raise ExerciseFailed(f"{where} the {kind} {name} changed its values: leave them as they were")
 
 
 @exercise("freeze_all_but_last")
 def check_freeze_all_but_last(fn) -> None:
     with _seeded(5):
-        cases = [
-            (nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)), "a Sequential of 5 layers", "4"),
-            (_BackboneHead(), "a model with children .backbone and .head", "head"),
-        ]
+        cases = _freeze_cases()
     for model, shown, last in cases:
-        got = _call(fn, model, shown=shown)
+        before = _snapshot(model)
+        got = call(fn, model, shown=shown)
         flags = {name: p.requires_grad for name, p in model.named_parameters()}
         expected = {name: name.startswith(last + ".") for name in flags}
         trainable = [name for name, flag in flags.items() if flag]
         where = f"after freeze_all_but_last({shown}),"
-        if all(flags.values()):
+        if all(flags[name] for name in flags if not expected[name]):
             if isinstance(got, nn.Module) and got is not model:
                 raise ExerciseFailed(
                     f"{where} nothing in it is frozen, and you returned another model: change `model` itself (requires_grad_ works in place)"
                 )
-            raise ExerciseFailed(f"{where} nothing is frozen: call requires_grad_(False) on every parameter outside the last layer")
+            raise ExerciseFailed(f"{where} nothing outside the last child is frozen: set requires_grad to False on those parameters")
         if not trainable:
             raise ExerciseFailed(f"{where} every parameter is frozen: the last child's parameters ({last}.*) must stay trainable")
         if trainable == [list(flags)[-1]]:
             raise ExerciseFailed(
                 f"{where} only {trainable[0]} is trainable: list(model.parameters())[-1] is a single tensor, the last layer's bias; "
-                "unfreeze every parameter of the last child (its weight too)"
+                "every parameter of the last child (its weight too) must stay trainable"
             )
-        if set(trainable) < {name for name, flag in expected.items() if flag}:
-            frozen = next(name for name, flag in expected.items() if flag and not flags[name])
+        frozen = next((name for name in flags if expected[name] and not flags[name]), None)
+        if frozen:
             raise ExerciseFailed(
-                f"{where} {frozen} is frozen, but it belongs to the last child `{last}` (list(model.children())[-1]): unfreeze all of it"
+                f"{where} {frozen} is frozen, but it belongs to the last child `{last}` (list(model.children())[-1]): "
+                "every parameter of the last child must end up trainable, even one that was frozen before"
+            )
+        if flags.get("temperature"):
+            raise ExerciseFailed(
+                f"{where} temperature is still trainable: it is registered on the model itself, in no child, "
+                "so it is not part of the last child and must be frozen too"
             )
         wrong = next((name for name in flags if flags[name] != expected[name]), None)
         if wrong:
-            raise ExerciseFailed(
-                f"{where} {wrong}.requires_grad is {flags[wrong]}, expected {expected[wrong]}: "
-                "freeze everything, then unfreeze list(model.children())[-1]"
-            )
+            raise ExerciseFailed(f"{where} {wrong}.requires_grad is {flags[wrong]}, expected {expected[wrong]}")
+        _expect_untouched(model, before, where)
 
 
-def _init_hint(message: str) -> str:
-    if "has no attribute 'weight'" in message:
-        return ": model.apply calls it on every module (ReLU and the Sequential itself too); act only `if isinstance(module, nn.Linear)`"
-    if "'NoneType'" in message:
-        return ": a Linear made with bias=False has module.bias = None; guard with `if module.bias is not None`"
-    if "fewer than 2 dimensions" in message:
-        return ": xavier needs a 2-D weight, and a LayerNorm's is 1-D; only nn.Linear layers should be initialised"
-    return ""
+# ---- init_relu_net ------------------------------------------------------------------------------
+
+class _ReluNet(nn.Module):
+    """Parts of a ReLU network; only the Conv2d and Linear layers are to be initialised."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(8, 40, (3, 5), padding=1, bias=False)  # fan_in 120, fan_out 600
+        self.norm = nn.BatchNorm2d(40)
+        self.conv = nn.Conv2d(40, 24, 3)  # fan_in 360, fan_out 216
+        self.embed = nn.Embedding(30, 16)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(240, 100), nn.ReLU(), nn.LayerNorm(100), nn.Linear(100, 64))
+        self.temperature = nn.Parameter(torch.randn(8, 8))  # registered on the model itself: not a layer's weight
 
 
-@exercise("init_weights")
-def check_init_weights(fn) -> None:
-    with _seeded(6), torch.no_grad():
-        model = nn.Sequential(
-            nn.Linear(400, 200), nn.ReLU(), nn.Linear(200, 50), nn.LayerNorm(50), nn.Linear(50, 450, bias=False)
+def _relu_net() -> nn.Module:
+    model = _ReluNet()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-0.5, 0.5)
+        model.norm.running_mean.uniform_(-1, 1)
+        model.norm.running_var.uniform_(0.5, 2)
+        model.head[3].weight.uniform_(0.5, 1.5)
+    model.stem.requires_grad_(False)  # a frozen layer is initialised all the same
+    return model
+
+
+_INIT_HINTS = {
+    "'NoneType'": "a layer made with bias=False has bias = None; skip it with `if module.bias is not None`",
+    "fewer than 2 dimensions": "kaiming needs a weight of 2 or more dimensions; only Conv2d and Linear weights are to be initialised",
+    "a leaf Variable that requires grad": "fill parameters inside `with torch.no_grad():` (the torch.nn.init functions do that for you)",
+    "has no attribute 'weight'": "not every module has a weight: act only on Conv2d and Linear layers",
+}
+
+
+def _ks_normal(z: torch.Tensor) -> float:
+    """Kolmogorov-Smirnov distance between the values z and the standard normal distribution."""
+    z = z.detach().double().flatten().sort().values
+    n = z.numel()
+    cdf = 0.5 * (1 + torch.erf(z / math.sqrt(2)))
+    rank = torch.arange(1, n + 1, dtype=torch.float64)
+    return max((rank / n - cdf).max().item(), (cdf - (rank - 1) / n).max().item())
+
+
+def _fan_in(weight: torch.Tensor) -> int:
+    return math.prod(weight.shape[1:])
+
+
+def _kaiming_fault(name: str, weight: torch.Tensor) -> str | None:
+    """What is wrong with one layer's weights, or None when they follow N(0, 2 / fan_in)."""
+    fan_in, fan_out = _fan_in(weight), weight.shape[0] * math.prod(weight.shape[2:])
+    target = math.sqrt(2 / fan_in)
+    w = weight.detach().double().flatten()
+    if not torch.isfinite(w).all():
+        return f"{name}'s weights hold NaN or inf"
+    std = w.std().item()
+    limit = 2.2 / math.sqrt(w.numel())  # a true normal sample of this size exceeds this KS distance with p ≈ 1e-4
+    if _ks_normal(w / target) < limit and abs(std / target - 1) < 0.05:
+        return None
+    if std > 0 and w.abs().max().item() <= 1.02 * math.sqrt(3) * std:
+        spread = "kaiming's spread: that is kaiming_uniform_" if abs(std / target - 1) < 0.05 else f"std {std:.4f}"
+        return (
+            f"{name}'s weights are uniform ({spread}); the exercise asks for the normal distribution "
+            f"N(0, std²) with std = sqrt(2 / fan_in) = {target:.4f}"
         )
-        # model.apply(fn) calls fn on each child, then on the model itself: do the same, one module at a time.
-        for module in [*model, model]:
-            shown = "the whole Sequential" if module is model else repr(module)
-            try:
-                _call(fn, module, shown=shown)
-            except ExerciseFailed as err:
-                raise ExerciseFailed(err.message + _init_hint(err.message)) from None
-        norm = model[3]
-        if not (torch.equal(norm.weight, torch.ones(50)) and torch.equal(norm.bias, torch.zeros(50))):
-            raise ExerciseFailed("init_weights changed a LayerNorm's parameters: only nn.Linear layers should change")
-        for layer in (model[0], model[2], model[4]):
-            name = f"Linear({layer.in_features}, {layer.out_features})"
-            fan_in, fan_out = layer.in_features, layer.out_features
-            std = layer.weight.std().item()
-            xavier = math.sqrt(2 / (fan_in + fan_out))
-            kaiming = math.sqrt(2 / fan_in)
-            default = 1 / math.sqrt(3 * fan_in)
-            if abs(std - xavier) < 0.1 * xavier and abs(layer.weight.mean().item()) < 0.1 * xavier:
-                if layer.bias is not None and not torch.equal(layer.bias, torch.zeros_like(layer.bias)):
-                    raise ExerciseFailed(f"after init_weights, {name}'s bias is not all zeros: nn.init.zeros_(module.bias)")
-                continue
-            if abs(std - default) < 0.05 * default:
-                raise ExerciseFailed(
-                    f"after init_weights, {name}'s weights still have PyTorch's default init (std {std:.4f}): "
-                    "call nn.init.xavier_uniform_(module.weight), which fills it in place"
-                )
-            if abs(std - kaiming) < 0.05 * kaiming:
-                raise ExerciseFailed(
-                    f"after init_weights, {name}'s weights have std {std:.4f} = sqrt(2 / fan_in): that is kaiming (He) init; "
-                    "this exercise asks for xavier, nn.init.xavier_uniform_"
-                )
-            raise ExerciseFailed(
-                f"after init_weights, {name}'s weights have mean {layer.weight.mean().item():.4f} and std {std:.4f}, "
-                f"expected mean 0 and std about {xavier:.4f} = sqrt(2 / (fan_in + fan_out)), xavier with the default gain"
-            )
-
-
-@exercise("make_residual")
-def check_make_residual(fn) -> None:
-    with _seeded(7), torch.no_grad():
-        for c in (4, 6):
-            what = f"make_residual({c})"
-            block = call(fn, c)
-            expect_module(block, what=what, layer_types=[nn.Conv2d])
-            convs = [m for m in block.modules() if isinstance(m, nn.Conv2d)]
-            if len(convs) != 2:
-                raise ExerciseFailed(f"{what} has {len(convs)} Conv2d layer(s), expected 2: f is conv, ReLU, conv")
-            for conv in convs:
-                if (conv.in_channels, conv.out_channels) != (c, c):
-                    raise ExerciseFailed(
-                        f"{what} has a Conv2d({conv.in_channels}, {conv.out_channels}, ...): both map {c} channels to {c}, "
-                        "so that x + f(x) lines up"
-                    )
-                if conv.kernel_size != (3, 3):
-                    raise ExerciseFailed(f"{what} has a Conv2d with kernel_size={conv.kernel_size}, expected 3")
-                if conv.padding not in ((1, 1), "same") or conv.stride != (1, 1):
-                    raise ExerciseFailed(
-                        f"{what} has a Conv2d with padding={conv.padding} and stride={conv.stride}: use padding=1 (stride 1) "
-                        "so each 3x3 convolution keeps the height and width, and x + f(x) lines up"
-                    )
-            if all(conv.bias is None for conv in convs):
-                raise ExerciseFailed(f"{what}'s convolutions have no bias: keep the default bias=True")
-            expect_module(block, what=what, n_params=2 * (9 * c * c + c))
-            x = torch.randn(2, c, 8, 8)
-            x0 = x.clone()
-            out = _call(block, x, shown=f"tensor of shape {tuple(x.shape)}", name=f"{what}'s module", kind="module")
-            expect_unchanged(x0, x, what=f"{what}'s forward")
-            expect_shape(out, x0.shape, what=f"{what}'s output for an input of shape {tuple(x0.shape)}")
-            first, second = convs
-            hidden = first(x0)
-            f = second(torch.relu(hidden))
-            expected = x0 + f
-            if torch.allclose(out, f, atol=1e-5):
-                raise ExerciseFailed(f"{what} returns f(x) alone: add the input back, return x + f(x)")
-            if torch.allclose(out, torch.relu(expected), atol=1e-5):
-                raise ExerciseFailed(
-                    f"{what} applies a ReLU after the addition: this block returns x + f(x) exactly "
-                    "(ResNet's basic block adds that ReLU, this exercise does not)"
-                )
-            if torch.allclose(out, x0 + second(hidden), atol=1e-5):
-                raise ExerciseFailed(f"{what} has no ReLU between the two convolutions: f is conv, ReLU, conv")
-            expect_tensor(out, expected, what=f"{what}'s output, expected x + f(x)", atol=1e-5)
-
-
-@exercise("attention")
-def check_attention(fn) -> None:
-    with _seeded(8):
-        cases = [
-            (torch.randn(2, 5, 8), torch.randn(2, 7, 8), torch.randn(2, 7, 6)),
-            (torch.randn(2, 3, 4, 16), torch.randn(2, 3, 9, 16), torch.randn(2, 3, 9, 16)),
+    if std > 0 and _ks_normal((w - w.mean()) / std) < limit:
+        gain_one = 1 / math.sqrt(fan_in)
+        causes = [
+            (math.sqrt(2 / fan_out), f"sqrt(2 / fan_out), fan_out = {fan_out}: use mode='fan_in'"),
+            (math.sqrt(2 / (fan_in + fan_out)), "sqrt(2 / (fan_in + fan_out)): that is xavier_normal_, not kaiming"),
+            (gain_one, "sqrt(1 / fan_in): the gain for ReLU is sqrt(2), nonlinearity='relu'"),
+            (5 / 3 * gain_one, "the gain for tanh: for ReLU it is sqrt(2), nonlinearity='relu'"),
+            (1.0, "1: pass the std, or use kaiming_normal_"),
         ]
-    for q, k, v in cases:
-        what = f"attention(q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})"
-        got = call(fn, q.clone(), k.clone(), v.clone())
-        expected = F.scaled_dot_product_attention(q, k, v)
-        if isinstance(got, tuple) and len(got) == 2:
-            raise ExerciseFailed(f"{what} returned a tuple of 2 (output and weights?): return only the output tensor")
-        if isinstance(got, torch.Tensor) and got.shape == expected.shape:
-            d = q.shape[-1]
-            scores = q @ k.transpose(-2, -1)
-            mistakes = [
-                (scores, -1, f"the scores are not scaled: divide q @ k^T by math.sqrt(d), d = q.shape[-1] (here {d})"),
-                (scores / d, -1, "the scores are divided by d; the scale is 1 / sqrt(d)"),
-                (scores * math.sqrt(d), -1, "the scores are multiplied by sqrt(d); divide by it instead"),
-                (
-                    scores / math.sqrt(d), -2,
-                    "softmax over the wrong dimension: each query's weights over the keys must sum to 1, "
-                    "so normalise the (..., L, S) scores over their last dimension, softmax(dim=-1)",
-                ),
-            ]
-            if v.shape[-1] != d:
-                mistakes.append((scores / math.sqrt(v.shape[-1]), -1, "the scale uses v's size; use q.shape[-1], the size of queries and keys"))
-            for wrong_scores, dim, message in mistakes:
-                if torch.allclose(got.detach(), wrong_scores.softmax(dim=dim) @ v, atol=1e-5):
-                    raise ExerciseFailed(f"{what}: {message}")
-        expect_tensor(got, expected, what=what, atol=1e-5)
+        if weight.dim() > 2:
+            causes.append((math.sqrt(2 / weight.shape[1]), "sqrt(2 / in_channels): a Conv2d's fan_in is in_channels × kernel height × kernel width"))
+        for value, cause in causes:
+            if abs(std / value - 1) < 0.04:
+                return f"{name}'s weights have std {std:.4f} = {cause}"
+        return f"{name}'s weights are normal with std {std:.4f}, expected sqrt(2 / fan_in) = {target:.4f} (fan_in = {fan_in})"
+    return (
+        f"{name}'s weights do not follow the normal distribution N(0, std²) with std = sqrt(2 / fan_in) = {target:.4f} "
+        f"(got mean {w.mean().item():.4f}, std {std:.4f})"
+    )
 
 
-def _load_models() -> tuple[nn.Module, dict[str, torch.Tensor], nn.Module]:
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
-    body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
-    checkpoint = {**body.state_dict(), "classifier.weight": torch.randn(10, 8), "classifier.bias": torch.randn(10)}
-    return model, checkpoint, nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
-
-
-@exercise("load_partial")
-def check_load_partial(fn) -> None:
-    with _seeded(9):
-        model, checkpoint, twin = _load_models()
-    shown = "a 5-layer Sequential, a checkpoint with its first 3 layers and a classifier"
-    what = f"load_partial({shown})"
-    try:
-        got = _call(fn, model, {k: v.clone() for k, v in checkpoint.items()}, shown=shown)
-    except ExerciseFailed as err:
-        if "Error(s) in loading state_dict" in err.message:
+@exercise("init_relu_net")
+def check_init_relu_net(fn) -> None:
+    with _seeded(6):
+        model = _relu_net()
+    before = _snapshot(model)
+    objects = {name: (p, p.data_ptr(), p.requires_grad) for name, p in model.named_parameters()}
+    shown = "a model with Conv2d, BatchNorm2d, Embedding, Linear and LayerNorm layers"
+    with _seeded(60):
+        got = call(fn, model, shown=shown, hints=_INIT_HINTS)
+    where = f"after init_relu_net({shown}),"
+    now = dict(model.named_parameters())
+    for name, (param, pointer, flag) in objects.items():
+        if now.get(name) is not param or param.data_ptr() != pointer:
             raise ExerciseFailed(
-                f"{what} raised RuntimeError: Error(s) in loading state_dict: pass strict=False, "
-                "and load_state_dict loads what matches and returns the keys that did not"
-            ) from None
-        raise
-    if hasattr(got, "missing_keys"):
-        raise ExerciseFailed(f"{what} returned the whole result of load_state_dict: return its .missing_keys")
-    missing, unexpected = ["4.weight", "4.bias"], ["classifier.weight", "classifier.bias"]
-    if isinstance(got, (list, tuple, set)) and sorted(map(str, got)) == sorted(unexpected):
-        raise ExerciseFailed(
-            f"{what} returned the unexpected keys (in the checkpoint, not in the model): return the missing ones, .missing_keys"
-        )
-    for key in ("0.weight", "2.bias"):
-        if not torch.equal(model.state_dict()[key], checkpoint[key]):
-            raise ExerciseFailed(
-                f"after {what}, the model's {key} is not the checkpoint's: call model.load_state_dict(state_dict, strict=False) "
-                "on the model you were given"
+                f"{where} {name} is a new tensor: fill the existing one in place (nn.init's functions do), "
+                "so that an optimiser holding it still sees it"
             )
-    if not (isinstance(got, list) and sorted(map(str, got)) == sorted(missing)):
-        expect_equal(got, missing, what=what)
+        if param.requires_grad != flag:
+            raise ExerciseFailed(f"{where} {name}.requires_grad is {param.requires_grad}, but it was {flag}: leave the flags as they were")
+    targets = {"stem": model.stem, "conv": model.conv, "head.1": model.head[1], "head.4": model.head[4]}
+    if all(torch.equal(t, before["tensors"][name]) for name, t in model.state_dict().items()):
+        if isinstance(got, nn.Module) and got is not model:
+            raise ExerciseFailed(f"{where} the model is unchanged, and you returned another one: change `model` itself, in place")
+        raise ExerciseFailed(f"{where} nothing changed: fill the weights and biases of every Conv2d and Linear, in place")
+    target_names = {f"{prefix}.{kind}" for prefix in targets for kind in ("weight", "bias")}
+    for name, value in model.state_dict().items():
+        if name not in target_names and not torch.equal(value, before["tensors"][name]):
+            kind = "buffer" if name in dict(model.named_buffers()) else "parameter"
+            owner = name.rpartition(".")[0]
+            kind_of_layer = type(model.get_submodule(owner)).__name__
+            layer = f"{'an' if kind_of_layer[0] in 'AEIOU' else 'a'} {kind_of_layer}" if owner else "the model itself, in no layer"
+            raise ExerciseFailed(
+                f"{where} the {kind} {name} changed, and it belongs to {layer}: change only Conv2d and Linear layers"
+            )
+    for prefix, layer in targets.items():
+        weight = layer.weight
+        if torch.equal(weight, before["tensors"][f"{prefix}.weight"]):
+            raise ExerciseFailed(f"{where} {prefix}.weight still has its old values: every Conv2d and Linear weight is to be filled")
+        fault = _kaiming_fault(prefix, weight)
+        if fault:
+            raise ExerciseFailed(f"{where} {fault}")
+        if layer.bias is not None and not torch.equal(layer.bias, torch.zeros_like(layer.bias)):
+            old = torch.equal(layer.bias, before["tensors"][f"{prefix}.bias"])
+            raise ExerciseFailed(f"{where} {prefix}.bias {'still has its old values' if old else 'is not all zeros'}: biases start at zero")
 
-    shown = "a 5-layer Sequential, a checkpoint of a model just like it"
-    got = _call(fn, model, twin.state_dict(), shown=shown)
-    expect_equal(got, [], what=f"load_partial({shown})")
-    if not torch.equal(model[4].weight, twin[4].weight):
-        raise ExerciseFailed(f"after load_partial({shown}), the model's 4.weight is not the checkpoint's")
 
+# ---- make_causal_attention ----------------------------------------------------------------------
+
+def _attend(x: torch.Tensor, qkv: nn.Linear, proj: nn.Linear, heads: int, fault: str | None = None) -> torch.Tensor:
+    """Causal self-attention as the exercise asks for it, or, with `fault`, as one typical mistake computes it."""
+    n, length, e = x.shape
+    d = e // heads
+    q, k, v = qkv(x).chunk(3, dim=-1)
+    if fault and fault.startswith("order"):
+        q, k, v = (q, k, v)[int(fault[-3])], (q, k, v)[int(fault[-2])], (q, k, v)[int(fault[-1])]
+
+    def split(t):
+        return t.reshape(n, heads, length, d) if fault == "split" else t.reshape(n, length, heads, d).transpose(1, 2)
+
+    q, k, v = split(q), split(k), split(v)
+    scale = {"scale E": math.sqrt(e), "no scale": 1.0}.get(fault, math.sqrt(d))
+    scores = q @ k.transpose(-2, -1) / scale
+    allowed = torch.ones(length, length, dtype=torch.bool)
+    allowed = {"no mask": allowed, "future": allowed.triu()}.get(fault, allowed.tril())
+    if fault == "after softmax":
+        weights = scores.softmax(dim=-1) * allowed
+    elif fault == "fill 0":
+        weights = scores.masked_fill(~allowed, 0.0).softmax(dim=-1)
+    else:
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-2 if fault == "dim -2" else -1)
+    out = weights @ v
+    out = out.reshape(n, length, e) if fault == "join" else out.transpose(1, 2).reshape(n, length, e)
+    return out if fault == "no proj" else proj(out)
+
+
+_ATTENTION_FAULTS = {
+    "no mask": "there is no causal mask: every position also attends to later ones; hide the scores of keys j > i",
+    "future": "the mask hides the past instead of the future: query i may see keys j <= i, a lower triangle (tril)",
+    "scale E": "the scores are divided by sqrt(embed_dim); each head works on head_dim = embed_dim / num_heads features, "
+    "so divide by sqrt(head_dim)",
+    "no scale": "the scores are not scaled: divide q @ k^T by sqrt(head_dim)",
+    "after softmax": "the mask is applied after the softmax, so the kept weights no longer sum to 1: "
+    "fill the hidden scores with float('-inf') before it",
+    "fill 0": "the hidden scores are set to 0, and exp(0) still gives them weight: fill them with float('-inf')",
+    "split": "the heads are split wrongly: each head takes head_dim of the features at every position, "
+    "so view (N, L, E) as (N, L, num_heads, head_dim), then transpose(1, 2)",
+    "join": "the heads are joined wrongly: transpose (N, num_heads, L, head_dim) back to (N, L, num_heads, head_dim) "
+    "before reshaping to (N, L, E)",
+    "dim -2": "the softmax runs over the queries: each query's weights over the keys must sum to 1, softmax(dim=-1)",
+    "no proj": "proj is never applied: the joined heads go through proj",
+    **{
+        f"order{''.join(map(str, p))}": "q, k and v are taken from qkv's output in the wrong order: it is q, then k, then v "
+        "(the layout of nn.MultiheadAttention's in_proj_weight)"
+        for p in itertools.permutations(range(3))
+        if p != (0, 1, 2)
+    },
+}
+
+
+@contextmanager
+def _spy_on_sdpa() -> Iterator[list[int]]:
+    """Count the calls to F.scaled_dot_product_attention (still computing it) while the learner's module runs."""
+    real, calls = F.scaled_dot_product_attention, []
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    F.scaled_dot_product_attention = spy
+    try:
+        yield calls
+    finally:
+        F.scaled_dot_product_attention = real
+
+
+def _expect_attention_layout(module: nn.Module, what: str, e: int, max_len: int) -> None:
+    """The module's layers, parameters and mask buffer, as the exercise lays them out."""
+    for attr, shape in (("qkv", (e, 3 * e)), ("proj", (e, e))):
+        layer = getattr(module, attr, None)
+        if not isinstance(layer, nn.Linear) or (layer.in_features, layer.out_features) != shape:
+            got = "nothing" if layer is None else repr(layer)
+            raise ExerciseFailed(f"{what}.{attr} is {got}, expected nn.Linear{shape}")
+        if layer.bias is None:
+            raise ExerciseFailed(f"{what}.{attr} has no bias: keep the default bias=True, as nn.MultiheadAttention has")
+    if any(isinstance(m, nn.MultiheadAttention) for m in module.modules()):
+        raise ExerciseFailed(f"{what} holds an nn.MultiheadAttention: write the attention yourself")
+    params = dict(module.named_parameters())
+    wanted = {"qkv.weight", "qkv.bias", "proj.weight", "proj.bias"}
+    square = (max_len, max_len)
+
+    def is_mask(t: Any) -> bool:  # (max_len, max_len), or with leading size-1 dims, as in (1, 1, max_len, max_len)
+        return isinstance(t, torch.Tensor) and tuple(t.shape[-2:]) == square and t.numel() == max_len * max_len
+
+    extra = [name for name in params if name not in wanted]
+    if extra:
+        if any(is_mask(params[name]) for name in extra):
+            raise ExerciseFailed(
+                f"{what} registers the mask as a Parameter, which an optimiser would train: use register_buffer"
+            )
+        raise ExerciseFailed(f"{what} has parameters besides qkv and proj: {', '.join(extra)}")
+    buffers = [name for name, b in module.named_buffers() if is_mask(b)]
+    if not buffers:
+        plain = [name for name, value in vars(module).items() if is_mask(value)]
+        if plain:
+            raise ExerciseFailed(
+                f"{what} keeps the mask in a plain attribute, {plain[0]}, which .to(device) does not move: register it with register_buffer"
+            )
+        raise ExerciseFailed(
+            f"{what} has no buffer of shape {square}: keep the causal mask for up to max_len positions in one (register_buffer)"
+        )
+    saved = [name for name in module.state_dict() if name not in wanted]
+    if saved:
+        raise ExerciseFailed(
+            f"{what}'s state_dict holds {saved[0]}: register the mask with persistent=False, so checkpoints hold only the weights"
+        )
+
+
+def _load_mha(module: nn.Module, reference: nn.MultiheadAttention) -> None:
+    with torch.no_grad():
+        module.qkv.weight.copy_(reference.in_proj_weight)
+        module.qkv.bias.copy_(reference.in_proj_bias)
+        module.proj.weight.copy_(reference.out_proj.weight)
+        module.proj.bias.copy_(reference.out_proj.bias)
+
+
+@exercise("make_causal_attention")
+def check_make_causal_attention(fn) -> None:
+    for e, heads, max_len, shapes in (
+        (12, 3, 9, [(2, 6), (1, 9), (3, 1)]),
+        (10, 2, 5, [(3, 4)]),
+    ):
+        what = f"make_causal_attention({e}, {heads}, {max_len})"
+        with _seeded(8):
+            module = call(fn, e, heads, max_len)
+            reference = nn.MultiheadAttention(e, heads, batch_first=True)
+            with torch.no_grad():  # its biases start at zero, which would hide a missing bias
+                reference.in_proj_bias.normal_(0, 0.5)
+                reference.out_proj.bias.normal_(0, 0.5)
+        expect_module(module, what=what)
+        _expect_attention_layout(module, what, e, max_len)
+        _load_mha(module, reference)
+        for n, length in shapes:
+            with _seeded(9 + length):
+                x = torch.randn(n, length, e)
+            x0 = x.clone()
+            shown = f"x of shape {tuple(x.shape)}"
+            try:
+                with _spy_on_sdpa() as sdpa_calls:
+                    got = call(module, x, name=f"{what}'s module", shown=shown, kind="module")
+            except ExerciseFailed as err:
+                if length < max_len and f"({length})" in err.message and f"({max_len})" in err.message:
+                    raise ExerciseFailed(
+                        f"{err.message}: the ({max_len}, {max_len}) mask meets ({length}, {length}) scores; "
+                        f"slice it to the sequence, [:L, :L]"
+                    ) from None
+                raise
+            if sdpa_calls:
+                raise ExerciseFailed(f"{what}'s module calls F.scaled_dot_product_attention: write the scores, mask and softmax yourself")
+            expect_unchanged(x0, x, what=f"{what}'s forward")
+            with torch.no_grad():
+                causal = ~torch.ones(length, length, dtype=torch.bool).tril()
+                expected = reference(x0, x0, x0, attn_mask=causal, need_weights=False)[0]
+            label = f"{what}'s output for {shown}"
+            if isinstance(got, tuple):
+                raise ExerciseFailed(f"{label} is a tuple: return only the output tensor")
+            if isinstance(got, torch.Tensor) and got.shape == expected.shape and not torch.allclose(got, expected, atol=1e-5):
+                if length > 1 and torch.isnan(got[:, 0]).any() and not torch.isnan(got[:, 1:]).any():
+                    raise ExerciseFailed(
+                        f"{label} is NaN at position 0, which then attends to nothing: each position must see itself too (keep the diagonal)"
+                    )
+                with torch.no_grad():
+                    for fault, message in _ATTENTION_FAULTS.items():
+                        if torch.allclose(got.detach(), _attend(x0, module.qkv, module.proj, heads, fault), atol=1e-5):
+                            raise ExerciseFailed(f"{what}: {message}")
+            expect_tensor(got, expected, what=label, atol=1e-5)
+
+
+# ---- evaluate -----------------------------------------------------------------------------------
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _eval_problem() -> tuple[nn.Module, list[tuple[Batches, list[int]]]]:
+    """A 12-class model with BatchNorm and Dropout; batches of 8, 8 and 3 with 6, 2 and 3 right, and of 1 and 5 with 1 and 2 right."""
+    model = nn.Sequential(nn.Linear(7, 20), nn.BatchNorm1d(20), nn.ReLU(), nn.Dropout(0.3), nn.Linear(20, 12))
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+
+    def batches(sizes: tuple[int, ...], right: tuple[int, ...]) -> tuple[Batches, list[int]]:
+        out = []
+        for size, n_right in zip(sizes, right):
+            x = torch.randn(size, 7)
+            model.eval()
+            with torch.no_grad():
+                predicted = model(x).argmax(dim=-1)
+            is_right = torch.zeros(size, dtype=torch.bool)
+            is_right[torch.randperm(size)[:n_right]] = True
+            out.append((x, torch.where(is_right, predicted, (predicted + 1 + torch.arange(size)) % 12)))
+        model.train()
+        return out, list(right)
+
+    return model, [batches((8, 8, 3), (6, 2, 3)), batches((1, 5), (1, 2))]
+
+
+def _recorder(name: str, seen: list) -> Callable:
+    """A forward pre-hook noting, each time the module runs, its name, its mode and whether gradients are tracked."""
+
+    def record(module: nn.Module, args: tuple) -> None:
+        seen.append((name, module.training, torch.is_grad_enabled()))
+
+    return record
+
+
+_EVAL_HINTS = {
+    "Expected more than 1 value per channel when training": "BatchNorm raises this in train mode only: switch the model to eval mode",
+}
+
+
+def _mode_name(training: bool) -> str:
+    return "train" if training else "eval"
+
+
+@exercise("evaluate")
+def check_evaluate(fn) -> None:
+    with _seeded(11):
+        model, ((batches, right), (tiny, right_tiny)) = _eval_problem()
+
+    def set_up(mode: str) -> None:
+        model.train(mode != "eval")
+        model.requires_grad_(True)
+        if mode == "mixed":  # a fine-tuning set-up: a frozen first layer and a BatchNorm kept in eval mode
+            model[1].eval()
+            model[0].requires_grad_(False)
+
+    scenarios = [
+        ("train", batches, right, "a model in train mode, batches of 8, 8 and 3"),
+        ("eval", batches, right, "a model in eval mode, batches of 8, 8 and 3"),
+        ("mixed", batches, right, "a model in train mode with its BatchNorm in eval mode, batches of 8, 8 and 3"),
+        ("train", tiny, right_tiny, "a model in train mode, batches of 1 and 5"),
+    ]
+    for mode, data, right, shown in scenarios:
+        set_up(mode)
+        before = _snapshot(model)
+        flags = {name: p.requires_grad for name, p in model.named_parameters()}
+        inputs = [(x.clone(), y.clone()) for x, y in data]
+        seen: list[tuple[str, bool, bool]] = []
+        handles = [m.register_forward_pre_hook(_recorder(name, seen)) for name, m in model.named_modules()]
+        what = f"evaluate({shown})"
+        try:
+            with torch.enable_grad():  # restores the caller's setting, whatever the learner's code sets
+                got = call(fn, model, inputs, shown=shown, hints=_EVAL_HINTS)
+                grad_after = torch.is_grad_enabled()
+        finally:
+            for handle in handles:
+                handle.remove()
+        in_train = next((name for name, training, _ in seen if training), None)
+        if in_train is not None:
+            layer = f"'{in_train}' ({type(model.get_submodule(in_train)).__name__})" if in_train else "the model"
+            raise ExerciseFailed(f"{what} ran {layer} in train mode: switch the model to eval mode before running it")
+        if any(grad for *_, grad in seen):
+            raise ExerciseFailed(f"{what} ran the model with gradient tracking on: run it under torch.no_grad() (or torch.inference_mode())")
+        if not grad_after:
+            raise ExerciseFailed(
+                f"{what} left gradient tracking switched off for everything after it: use `with torch.no_grad():`, which ends with its block"
+            )
+        for name, training in before["modes"].items():
+            now = model.get_submodule(name).training
+            if now != training:
+                label = f"'{name}' ({type(model.get_submodule(name)).__name__})" if name else "the model"
+                advice = (
+                    ": model.train() sets every sub-module; record each module's mode before and put each one back"
+                    if mode == "mixed"
+                    else f": put back the mode the model had ({_mode_name(training)})"
+                )
+                raise ExerciseFailed(
+                    f"after {what}, {label} is in {_mode_name(now)} mode, but it was in {_mode_name(training)} mode{advice}"
+                )
+        changed = next((name for name, p in model.named_parameters() if p.requires_grad != flags[name]), None)
+        if changed:
+            raise ExerciseFailed(
+                f"after {what}, {changed}.requires_grad is {not flags[changed]}, but it was {flags[changed]}: "
+                "evaluating must not freeze or unfreeze parameters; torch.no_grad() is enough"
+            )
+        _expect_untouched(model, before, f"after {what},")
+        for (x, y), (x0, y0) in zip(inputs, data):
+            expect_unchanged(x0, x, what=what)
+            expect_unchanged(y0, y, what=what)
+        _expect_accuracy(got, right, [len(y) for _, y in data], what)
+
+
+def _expect_accuracy(got: Any, right: list[int], sizes: list[int], what: str) -> None:
+    correct = sum(right)
+    expected = correct / sum(sizes)
+    if isinstance(got, torch.Tensor):
+        raise ExerciseFailed(f"{what} is a tensor, expected a Python float: call .item() on it")
+    if isinstance(got, np.generic):
+        raise ExerciseFailed(f"{what} is {a_type(got)}, expected a Python float: convert it with float(...)")
+    if isinstance(got, int) and not isinstance(got, bool) and got == correct:
+        raise ExerciseFailed(f"{what} returned {got}, the number of right predictions: divide it by the number of samples")
+    if type(got) is not float:
+        raise ExerciseFailed(f"{what} is {a_type(got)}, expected a Python float")
+    if abs(got - expected) < 1e-6:
+        return
+    if abs(got - 100 * expected) < 1e-4:
+        raise ExerciseFailed(f"{what} returned a percentage, {got:.4g}: return the fraction right, between 0 and 1")
+    if len(set(sizes)) > 1:
+        if abs(got - sum(r / n for r, n in zip(right, sizes)) / len(sizes)) < 1e-6:
+            raise ExerciseFailed(
+                f"{what} averaged the per-batch accuracies, so the smaller last batch weighs as much as a full one: "
+                "add up the right predictions and the samples over all batches, then divide once"
+            )
+        if abs(got - correct / (len(sizes) * sizes[0])) < 1e-6:
+            raise ExerciseFailed(
+                f"{what} divided by the number of batches times the batch size; the last batch is smaller, so count the samples"
+            )
+    raise ExerciseFailed(f"{what}: expected accuracy {expected:.6f} ({correct} of {sum(sizes)} right), got {got:.6f}")
+
+
+# ---- load_pretrained ----------------------------------------------------------------------------
+
+class _Finetuned(nn.Module):
+    """A body, a parameter of the model's own, and a new head named `head_name`."""
+
+    def __init__(self, head_name: str, head: nn.Module):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(9, 24), nn.BatchNorm1d(24), nn.ReLU(), nn.Linear(24, 24), nn.ReLU())
+        self.scale = nn.Parameter(torch.ones(1))
+        self.head_name = head_name
+        self.add_module(head_name, head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.get_submodule(self.head_name)(self.body(x)) * self.scale
+
+
+def _pretrained_checkpoint(head_name: str, old_head_name: str) -> dict[str, torch.Tensor]:
+    """An earlier model's weights: the same body, a 10-class head under another name, trained-looking statistics."""
+    earlier = _Finetuned(old_head_name, nn.Linear(24, 10))
+    with torch.no_grad():
+        earlier.scale.fill_(1.75)
+        earlier.body[1].running_mean.uniform_(-1, 1)
+        earlier.body[1].running_var.uniform_(0.5, 2)
+        earlier.body[1].num_batches_tracked.fill_(40)
+    return earlier.state_dict()
+
+
+def _new_head(head_name: str) -> nn.Module:
+    return nn.Linear(24, 13) if head_name == "head" else nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 5))
+
+
+def _model_factory(head_name: str, built: list[str]) -> Callable[[], nn.Module]:
+    """The learner's make_model: builds the new model, noting on which device each call builds it."""
+
+    def make_model() -> nn.Module:
+        built.append(torch.empty(0).device.type)
+        model = _Finetuned(head_name, _new_head(head_name))
+        model.body[0].requires_grad_(False)  # fine-tuning keeps the first layer frozen
+        return model
+
+    return make_model
+
+
+def _default_init_fault(name: str, layer: nn.Linear) -> str | None:
+    """What is wrong with a Linear that should hold a fresh default init (uniform within ±1/sqrt(in_features))."""
+    bound = 1 / math.sqrt(layer.in_features)
+    for kind in ("weight", "bias"):
+        values = getattr(layer, kind).detach()
+        fresh = (
+            torch.isfinite(values).all()
+            and values.abs().max() <= bound
+            and values.unique().numel() > values.numel() // 2
+            and (kind == "bias" or values.abs().max() >= 0.8 * bound)
+        )
+        if not fresh:
+            return (
+                f"{name}.{kind} does not hold a new layer's values, uniform within ±{bound:.4f} as a new nn.Linear draws them "
+                f"(got values from {values.min().item():.4g} to {values.max().item():.4g}): after to_empty, call the layer's reset_parameters()"
+            )
+    return None
+
+
+@exercise("load_pretrained")
+def check_load_pretrained(fn) -> None:
+    for head_name, old_head_name in (("head", "classifier"), ("classifier", "head")):
+        with _seeded(12 if head_name == "head" else 13):
+            checkpoint = _pretrained_checkpoint(head_name, old_head_name)
+        old_keys = [k for k in checkpoint if k.startswith(old_head_name + ".")]
+        shown = f"make_model (a new {head_name}), a checkpoint with the body and an old {old_head_name}"
+        what = f"load_pretrained({shown})"
+        built: list[str] = []
+        make_model = _model_factory(head_name, built)
+
+        with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as folder:
+            path = os.path.join(folder, "pretrained.pt")
+            torch.save(checkpoint, path)
+            default_device = torch.get_default_device()
+            keys_hint = (
+                f"the checkpoint lacks the new {head_name} and holds the old {old_head_name}: "
+                "strict=False loads what matches and reports the rest"
+            )
+            try:
+                with _seeded(14):
+                    got = call(fn, make_model, path, shown=shown, hints={
+                        "Missing key(s) in state_dict": keys_hint, "Unexpected key(s) in state_dict": keys_hint,
+                    })
+            finally:
+                left = torch.get_default_device()
+                if left != default_device:
+                    torch.set_default_device(None if default_device.type == "cpu" else default_device)
+            if left != default_device:
+                raise ExerciseFailed(
+                    f"{what} left the default device at {left}: build inside `with torch.device('meta'):`, which ends with its block"
+                )
+            try:
+                _expect_pretrained(got, built, checkpoint, path, head_name, old_keys, what)
+            finally:
+                del got
+
+
+def _expect_pretrained(got: Any, built: list[str], checkpoint: dict, path: str, head_name: str, old_keys: list[str], what: str) -> None:
+    if not built:
+        raise ExerciseFailed(f"{what} never called make_model(): build the model with it")
+    if len(built) > 1:
+        raise ExerciseFailed(f"{what} called make_model() {len(built)} times: build the model once, on the meta device")
+    if built[0] != "meta":
+        raise ExerciseFailed(
+            f"{what} called make_model() on the {built[0]} device, which allocates and initialises every weight only to "
+            "overwrite it: build it inside `with torch.device('meta'):`"
+        )
+    expect_module(got, what=what)
+    tensors = dict(itertools.chain(got.named_parameters(), got.named_buffers()))
+    on_meta = [name for name, t in tensors.items() if t.is_meta]
+    if on_meta:
+        name = on_meta[0]
+        if name in checkpoint:
+            raise ExerciseFailed(
+                f"in the model {what} returned, {name} is still on the meta device, though the checkpoint holds it: "
+                "load_state_dict(..., assign=True) makes the checkpoint's tensors the model's (copying into meta tensors does nothing)"
+            )
+        raise ExerciseFailed(
+            f"in the model {what} returned, {name} is still on the meta device: the checkpoint lacks it, so give its layer "
+            "memory (to_empty) and initialise it (reset_parameters)"
+        )
+    wanted = [k for k in checkpoint if k not in old_keys]
+    params = dict(got.named_parameters())
+    with torch.device("meta"):
+        should_be_params = set(dict(_Finetuned(head_name, _new_head(head_name)).named_parameters()))
+    for name in wanted:
+        if name not in tensors:
+            raise ExerciseFailed(f"the model {what} returned has no {name}")
+        if name in should_be_params and name not in params:
+            raise ExerciseFailed(f"in the model {what} returned, {name} is no longer a parameter: load it with load_state_dict")
+    for name, param in params.items():
+        frozen = name.startswith("body.0.")
+        if param.requires_grad == frozen:
+            raise ExerciseFailed(
+                f"in the model {what} returned, {name}.requires_grad is {param.requires_grad}, but make_model set it to {not frozen}: "
+                "keep the flags the model was built with (load_state_dict(..., assign=True) keeps them)"
+            )
+    for name in wanted:
+        if tensors[name].dtype != checkpoint[name].dtype or not torch.equal(tensors[name].detach(), checkpoint[name]):
+            kind = "buffer" if name not in params else "parameter"
+            raise ExerciseFailed(f"in the model {what} returned, the {kind} {name} does not hold the checkpoint's values")
+    mapped = torch.load(path, mmap=True)
+    first = wanted[0]
+    offsets = {name: mapped[name].data_ptr() - mapped[first].data_ptr() for name in wanted}
+    if any(tensors[name].data_ptr() - tensors[first].data_ptr() != offsets[name] for name in wanted):
+        raise ExerciseFailed(
+            f"in the model {what} returned, the weights are not the tensors mapped from the file: load it with "
+            "torch.load(path, mmap=True) and hand them over with load_state_dict(..., assign=True), which takes them instead of copying"
+        )
+    for name, module in got.get_submodule(head_name).named_modules(prefix=head_name):
+        if isinstance(module, nn.Linear):
+            fault = _default_init_fault(name, module)
+            if fault:
+                raise ExerciseFailed(f"in the model {what} returned, {fault}")
