@@ -1,5 +1,9 @@
-"""Lesson 06's checks against the reference solutions and the wrong answers learners write, and its notebook's claims."""
+"""Lesson 06's checks against the reference solutions, correct alternatives, the wrong answers learners write, and its notebook's claims."""
 
+import contextlib
+import copy
+import math
+import pickle
 import random
 import warnings
 from pathlib import Path
@@ -7,152 +11,182 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from course_utils import lesson06 as L
 from course_utils.tooling.checks import ExerciseFailed
-from lesson_contract import assert_names_fault, contract_tests
+from lesson_contract import assert_names_fault, assert_passes, contract_tests
 
 PAIRS = [
     (L.check_fits_in_range, L.fits_in_range),
-    (L.check_autocast_forward, L.autocast_forward),
-    (L.check_saved_bytes, L.saved_bytes),
+    (L.check_run_in_float32, L.run_in_float32),
     (L.check_loss_scale_schedule, L.loss_scale_schedule),
-    (L.check_scaled_step, L.scaled_step),
-    (L.check_accumulate_scaled, L.accumulate_scaled),
+    (L.check_amp_step, L.amp_step),
+    (L.check_save_amp_checkpoint, L.save_amp_checkpoint),
+    (L.check_resume_amp, L.resume_amp),
 ]
 
 (test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line, test_hostile_answers_are_the_learners_fault,
- test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS, max_seconds=1.0)
+ test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS, max_seconds=1.5)
+
+HALF = (torch.bfloat16, torch.float16)
 
 
-# Typical wrong answers, one function each.
+# fits_in_range
 
-def fits_by_casting(x, dtype):  # a correct alternative
+def fits_by_casting(x, dtype):
     return bool(torch.isfinite(x.to(dtype)).all())
 
 
-def forward_without_autocast(model, x):
-    return model(x)
+def fits_elementwise(x, dtype):
+    return bool((x.abs() <= torch.finfo(dtype).max).all())
 
 
-def forward_with_bf16_model(model, x):
-    return model.to(torch.bfloat16)(x.to(torch.bfloat16))
+def fits_by_item(x, dtype):
+    return x.abs().max().item() <= torch.finfo(dtype).max
 
 
-def forward_with_bf16_model_fp32_input(model, x):
-    return model.to(torch.bfloat16)(x)
+def fits_by_any(x, dtype):
+    limit = torch.finfo(dtype).max
+    return not bool((x > limit).any() or (x < -limit).any())
 
 
-def forward_in_fp16(model, x):
-    with torch.autocast("cpu", dtype=torch.float16):
-        return model(x)
+# run_in_float32
+
+def f32_itemsize(fn, *args):
+    cast = tuple(a.to(torch.float32) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.element_size() == 2 else a
+                 for a in args)
+    device = next(a for a in args if isinstance(a, torch.Tensor)).device.type
+    with torch.amp.autocast(device_type=device, enabled=False):
+        return fn(*cast)
 
 
-def forward_on_cuda(model, x):
-    with torch.autocast("cuda", dtype=torch.float16):
-        return model(x)
+def f32_manual_restore(fn, *args):
+    was_on = torch.is_autocast_enabled("cpu")
+    torch.set_autocast_enabled("cpu", False)
+    try:
+        return fn(*[a.float() if torch.is_tensor(a) and a.dtype in (torch.half, torch.bfloat16) else a for a in args])
+    finally:
+        torch.set_autocast_enabled("cpu", was_on)
 
 
-def forward_converted_back(model, x):
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        return model(x).float()
+def f32_decorated(fn, *args):
+    args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float64 else a for a in args]
+    return torch.autocast("cpu", enabled=False)(fn)(*args)
 
 
-def forward_cast_at_the_end(model, x):
-    return model(x).to(torch.bfloat16)
+def f32_loop(fn, *args):
+    ready = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dtype in HALF:
+            a = a.type(torch.float32)
+        ready.append(a)
+    with torch.autocast(args[0].device.type, enabled=False):
+        result = fn(*ready)
+    return result
 
 
-def forward_without_grad(model, x):
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        return model(x)
+def _f32(fn, args, *, disable=True, cast=lambda a: a.dtype in HALF, device="cpu", detach=False):
+    ready = [(a.detach() if detach else a).float() if isinstance(a, torch.Tensor) and cast(a) else a for a in args]
+    with torch.autocast(device, enabled=False) if disable else contextlib.nullcontext():
+        return fn(*ready)
 
 
-def forward_leaving_autocast_on(model, x):
-    torch.set_autocast_dtype("cpu", torch.bfloat16)
-    torch.set_autocast_enabled("cpu", True)
-    return model(x)
+def f32_cast_only(fn, *args):
+    return _f32(fn, args, disable=False)
 
 
-def forward_amp_autocast(model, x):  # a correct alternative
-    with torch.amp.autocast("cpu"):  # bfloat16 is the CPU default
-        return model(x)
+def f32_disable_only(fn, *args):
+    return _f32(fn, args, cast=lambda a: False)
 
 
-def _saved(model, x, *, size, dedupe=True, skip_params=True, key=lambda t: t.untyped_storage().data_ptr()):
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    sizes, total = {}, 0
-
-    def pack(t):
-        nonlocal total
-        if skip_params and t.untyped_storage().data_ptr() in params:
-            return t
-        if dedupe:
-            sizes[key(t)] = size(t)
-        else:
-            total += size(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    return sum(sizes.values()) + total
+def f32_on_cuda(fn, *args):
+    return _f32(fn, args, device="cuda")
 
 
-def saved_numel(model, x):
-    return _saved(model, x, size=lambda t: t.numel())
+def f32_casting_float64_down(fn, *args):
+    return _f32(fn, args, cast=lambda a: a.is_floating_point())
 
 
-def saved_four_bytes(model, x):
-    return _saved(model, x, size=lambda t: 4 * t.numel())
+def f32_casting_everything(fn, *args):
+    return _f32(fn, args, cast=lambda a: True)
 
 
-def saved_duplicates(model, x):
-    return _saved(model, x, size=lambda t: t.numel() * t.element_size(), dedupe=False)
+def f32_detached(fn, *args):
+    return _f32(fn, args, detach=True)
 
 
-def saved_with_params(model, x):
-    return _saved(model, x, size=lambda t: t.untyped_storage().nbytes(), skip_params=False)
-
-
-def saved_everything(model, x):
-    return _saved(model, x, size=lambda t: t.untyped_storage().nbytes(), dedupe=False, skip_params=False)
-
-
-def saved_by_data_ptr(model, x):  # a correct alternative: no views into larger storages here
-    return _saved(model, x, size=lambda t: t.numel() * t.element_size(), key=lambda t: t.data_ptr())
-
-
-def saved_under_no_grad(model, x):
+def f32_no_grad(fn, *args):
     with torch.no_grad():
-        return _saved(model, x, size=lambda t: t.numel() * t.element_size())
+        return _f32(fn, args)
 
 
-def saved_output_bytes(model, x):
-    out = model(x)
-    return out.numel() * out.element_size()
+def f32_left_off(fn, *args):
+    torch.set_autocast_enabled("cpu", False)
+    return fn(*[a.float() if isinstance(a, torch.Tensor) and a.dtype in HALF else a for a in args])
 
 
-def schedule_no_reset_on_inf(found_inf, init_scale, growth_interval):
-    return L._schedule_variant(found_inf, init_scale, growth_interval, reset_on_inf=False)
+def f32_switched_back_on(fn, *args):
+    torch.set_autocast_enabled("cpu", False)
+    result = fn(*[a.float() if isinstance(a, torch.Tensor) and a.dtype in HALF else a for a in args])
+    torch.set_autocast_enabled("cpu", True)
+    return result
 
 
-def schedule_off_by_one(found_inf, init_scale, growth_interval):
-    return L._schedule_variant(found_inf, init_scale, growth_interval, off_by_one=True)
+def f32_restored_without_finally(fn, *args):
+    was_on = torch.is_autocast_enabled("cpu")
+    torch.set_autocast_enabled("cpu", False)
+    result = fn(*[a.float() if isinstance(a, torch.Tensor) and a.dtype in HALF else a for a in args])
+    torch.set_autocast_enabled("cpu", was_on)
+    return result
 
 
-def schedule_no_reset_on_growth(found_inf, init_scale, growth_interval):
-    return L._schedule_variant(found_inf, init_scale, growth_interval, reset_on_growth=False)
+def f32_autocast_in_float32(fn, *args):
+    with torch.autocast("cpu", dtype=torch.float32):
+        return fn(*[a.float() if isinstance(a, torch.Tensor) and a.dtype in HALF else a for a in args])
 
 
-def schedule_before_update(found_inf, init_scale, growth_interval):
-    return L._schedule_variant(found_inf, init_scale, growth_interval, before=True)
+def f32_swallowing_errors(fn, *args):
+    try:
+        return L.run_in_float32(fn, *args)
+    except Exception:  # noqa: BLE001 -- the wrong answer under test swallows every error
+        return None
 
 
-def schedule_doubling_on_inf(found_inf, init_scale, growth_interval):
+def f32_twice(fn, *args):
+    L.run_in_float32(fn, *args)
+    return L.run_in_float32(fn, *args)
+
+
+def f32_cast_back(fn, *args):
+    return L.run_in_float32(fn, *args).to(args[0].dtype)
+
+
+def f32_float_everything(fn, *args):
+    with torch.autocast("cpu", enabled=False):
+        return fn(*[a.float() for a in args])
+
+
+def f32_resetting_the_dtype(fn, *args):
+    with torch.autocast("cpu", enabled=False):
+        result = fn(*[a.float() if isinstance(a, torch.Tensor) and a.dtype in HALF else a for a in args])
+    torch.set_autocast_dtype("cpu", torch.bfloat16)
+    return result
+
+
+# loss_scale_schedule
+
+def schedule_variant(**options):
+    return lambda found_inf, init_scale, growth_interval: L._schedule_variant(found_inf, init_scale, growth_interval, **options)
+
+
+def _schedule(found_inf, init_scale, growth_interval, backoff):
+    """The schedule with another rule for an inf/NaN step (backoff: old scale -> new scale)."""
     scale, good, scales = init_scale, 0, []
     for inf in found_inf:
         if inf:
-            scale, good = scale * 2, 0
+            scale, good = backoff(scale), 0
         else:
             good += 1
             if good == growth_interval:
@@ -161,166 +195,447 @@ def schedule_doubling_on_inf(found_inf, init_scale, growth_interval):
     return scales
 
 
-def step_clip_before_unscale(model, loss, optimizer, scaler, max_norm):
-    scaler.scale(loss).backward()
-    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.step(optimizer)
-    scaler.update()
+def schedule_doubling_on_inf(found_inf, init_scale, growth_interval):
+    return _schedule(found_inf, init_scale, growth_interval, backoff=lambda scale: scale * 2)
 
 
-def step_without_clip(model, loss, optimizer, scaler, max_norm):
-    scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    scaler.step(optimizer)
-    scaler.update()
+def schedule_ints(found_inf, init_scale, growth_interval):
+    return _schedule(found_inf, int(init_scale), growth_interval, backoff=lambda scale: scale // 2)
 
 
-def step_without_update(model, loss, optimizer, scaler, max_norm):
-    scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.step(optimizer)
+def schedule_with_a_real_scaler(found_inf, init_scale, growth_interval):
+    return L._gradscaler_scales(found_inf, init_scale, growth_interval)
 
 
-def step_with_optimizer_step(model, loss, optimizer, scaler, max_norm):
-    scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    optimizer.step()
-    scaler.update()
+def schedule_by_modulo(found_inf, init_scale, growth_interval):
+    scales, streak, scale = [], 0, float(init_scale)
+    for bad in found_inf:
+        streak = 0 if bad else streak + 1
+        scale = scale / 2 if bad else (scale * 2 if streak % growth_interval == 0 else scale)
+        scales.append(scale)
+    return scales
 
 
-def step_without_scale(model, loss, optimizer, scaler, max_norm):
-    loss.backward()
-    scaler.unscale_(optimizer)
-    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.step(optimizer)
-    scaler.update()
+def schedule_with_powers(found_inf, init_scale, growth_interval):
+    exponent, good, out = 0, 0, []
+    for inf in found_inf:
+        if inf:
+            exponent, good = exponent - 1, 0
+        elif (good := good + 1) == growth_interval:
+            exponent, good = exponent + 1, 0
+        out.append(init_scale * 2.0 ** exponent)
+    return out
 
 
-def step_update_first(model, loss, optimizer, scaler, max_norm):
-    scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.update()
-    scaler.step(optimizer)
+def schedule_generator(found_inf, init_scale, growth_interval):
+    def scales():
+        scale, good = init_scale, 0
+        for inf in found_inf:
+            good = 0 if inf else good + 1
+            scale *= 0.5 if inf else 1.0
+            if good == growth_interval:
+                scale, good = scale * 2.0, 0
+            yield scale
+    return scales()
 
 
-def step_unscale_twice(model, loss, optimizer, scaler, max_norm):
-    scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.unscale_(optimizer)
-    scaler.step(optimizer)
-    scaler.update()
+# amp_step
 
-
-def step_backward_only(model, loss, optimizer, scaler, max_norm):
-    scaler.scale(loss).backward()
-
-
-def step_zeroing_after(model, loss, optimizer, scaler, max_norm):  # a correct alternative
-    L.scaled_step(model, loss, optimizer, scaler, max_norm)
+def amp_relying_on_the_scaler(model, inputs, targets, loss_fn, optimizer, scaler, dtype, max_norm):
     optimizer.zero_grad()
-
-
-def _accumulate(model, micro_batches, loss_fn, optimizer, scaler, *, dtype=torch.float16, divide=True, zero="start", scale=True, step_each=False, update=True):
-    if zero == "start":
-        optimizer.zero_grad()
-    k = len(micro_batches)
-    for inputs, targets in micro_batches:
-        if zero == "inside":
-            optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            loss = loss_fn(model(inputs), targets)
-        loss = loss / k if divide else loss
-        (scaler.scale(loss) if scale else loss).backward()
-        if step_each:
-            scaler.step(optimizer)
-            scaler.update()
-    if not step_each:
+    ctx = torch.amp.autocast(inputs.device.type, dtype=dtype) if dtype in HALF else contextlib.nullcontext()
+    with ctx:
+        loss = loss_fn(model(inputs), targets)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if scaler.is_enabled():
+        before = scaler.get_scale()
         scaler.step(optimizer)
-        if update:
-            scaler.update()
+        scaler.update()
+        return scaler.get_scale() >= before
+    if not torch.isfinite(norm):
+        return False
+    optimizer.step()
+    return True
+
+
+def amp_checking_every_gradient(model, inputs, targets, loss_fn, optimizer, scaler, dtype, max_norm):
+    for p in model.parameters():
+        p.grad = None
+    with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype is not torch.float32):
+        logits = model(inputs)
+        loss = loss_fn(logits, targets)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    finite = all(bool(g.isfinite().all()) for g in grads)
+    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if finite:
+        scaler.step(optimizer)
+    scaler.update()
+    return finite
+
+
+def amp_loss_on_float32_logits(model, inputs, targets, loss_fn, optimizer, scaler, dtype, max_norm):
+    optimizer.zero_grad(set_to_none=False)
+    with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        logits = model(inputs)
+    loss = loss_fn(logits.float(), targets)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    ok = math.isfinite(norm.item())
+    if ok:
+        optimizer.step()  # after unscale_, a plain step is right: the guard has done what scaler.step would
+    scaler.update()
+    return ok
+
+
+def amp_loss_outside_autocast(model, inputs, targets, loss_fn, optimizer, scaler, dtype, max_norm):
+    optimizer.zero_grad()
+    with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        logits = model(inputs)
+    loss = loss_fn(logits, targets)  # on 16-bit logits, outside autocast: a 16-bit loss
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    ok = bool(nn.utils.clip_grad_norm_(model.parameters(), max_norm).isfinite())
+    if ok:
+        scaler.step(optimizer)
+    scaler.update()
+    return ok
+
+
+def amp_zeroing_only_at_the_end(model, inputs, targets, loss_fn, optimizer, scaler, dtype, max_norm):
+    ok = _amp(model, inputs, targets, loss_fn, optimizer, scaler, dtype, max_norm, zero=False)
+    optimizer.zero_grad()  # too late: the check left stale gradients before the first step
+    return ok
+
+
+def amp_with_error_if_nonfinite(model, inputs, targets, loss_fn, optimizer, scaler, dtype, max_norm):
+    optimizer.zero_grad()
+    with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        loss = loss_fn(model(inputs), targets)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    try:
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm, error_if_nonfinite=True)
+    except RuntimeError:
+        scaler.update()
+        return False
+    scaler.step(optimizer)
+    scaler.update()
+    return True
+
+
+def _amp(model, inputs, targets, loss_fn, optimizer, scaler, dtype, max_norm, *, guard="norm", zero=True, clip="after",
+         update="always", autocast_dtype=None, always_autocast=False, device=None, cast_model=False, ret="bool", on_skip=None,
+         scale=True):
+    """amp_step with one typical mistake; with an enabled scaler it reports a skip from the scale, as learners do."""
+    if zero:
+        optimizer.zero_grad()
+    if cast_model:
+        model.to(dtype)
+        inputs = inputs.to(dtype)
+    scale_before = scaler.get_scale()
+    enabled = always_autocast or autocast_dtype is not None or dtype != torch.float32
+    with torch.autocast(device or inputs.device.type, dtype=autocast_dtype or dtype, enabled=enabled):
+        loss = loss_fn(model(inputs), targets)
+    (scaler.scale(loss) if scale else loss).backward()
+    if clip == "before":
+        norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.unscale_(optimizer)
+    elif clip == "each":
+        scaler.unscale_(optimizer)
+        norm = torch.stack([nn.utils.clip_grad_norm_(p, max_norm) for p in model.parameters() if p.grad is not None]).norm()
+    else:
+        scaler.unscale_(optimizer)
+        norm = nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        if clip == "after":
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    ok = {"norm": bool(torch.isfinite(norm)), "loss": bool(torch.isfinite(loss)), "nan": not bool(torch.isnan(norm)),
+          "none": True, "inverted": not bool(torch.isfinite(norm))}[guard]
+    if ok:
+        scaler.step(optimizer)
+    elif on_skip == "zero_and_step":
+        optimizer.zero_grad()
+        optimizer.step()
+    if update == "always" or (update == "on_step" and ok):
+        scaler.update()
+    if scaler.is_enabled() and guard != "inverted":
+        ok = ok and scaler.get_scale() >= scale_before
+    return {"bool": ok, "none": None, "loss": loss, "tensor": torch.tensor(ok)}[ret]
+
+
+def amp_wrong(**options):
+    return lambda *args: _amp(*args, **options)
+
+
+# save_amp_checkpoint and resume_amp
+
+def save_with_the_training_helper(path, model, optimizer, scaler, step):
+    from course_utils.training import save_checkpoint
+    save_checkpoint(path, model=model, optimizer=optimizer, scaler=scaler.state_dict(), step=step)
+
+
+def save_step_by_step(path, model, optimizer, scaler, step):
+    checkpoint = {}
+    checkpoint["step"] = int(step)
+    checkpoint["scaler"] = dict(scaler.state_dict())
+    checkpoint["optimizer"] = optimizer.state_dict()
+    checkpoint["model"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    checkpoint["dtype"] = "float16"
+    torch.save(checkpoint, str(path))
+
+
+def save_deep_copies(path, model, optimizer, scaler, step):
+    state = {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict()),
+             "scaler": copy.deepcopy(scaler.state_dict()), "step": step}
+    with open(path, "wb") as file:
+        torch.save(state, file)
+
+
+def save_wrong(**changes):
+    """save_amp_checkpoint with some entries replaced: changes maps a key to f(model, optimizer, scaler, step)."""
+    def save(path, model, optimizer, scaler, step):
+        checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step}
+        checkpoint.update({key: f(model, optimizer, scaler, step) for key, f in changes.items()})
+        torch.save(checkpoint, path)
+    return save
+
+
+def save_without_the_scaler(path, model, optimizer, scaler, step):
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, path)
+
+
+def save_under_another_name(path, model, optimizer, scaler, step):
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "grad_scaler": scaler.state_dict(), "step": step}, path)
+
+
+def save_with_pickle(path, model, optimizer, scaler, step):
+    with open(path, "wb") as file:
+        pickle.dump({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step}, file)
+
+
+def save_nothing(path, model, optimizer, scaler, step):
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step}
+
+
+def save_after_an_update(path, model, optimizer, scaler, step):
+    scaler.update(new_scale=1024.0)
+    L.save_amp_checkpoint(path, model, optimizer, scaler, step)
+
+
+def resume_guarded(path, model, optimizer, scaler):
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    if scaler.is_enabled():
+        scaler.load_state_dict(checkpoint["scaler"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    model.load_state_dict(checkpoint["model"])
+    return int(checkpoint["step"])
+
+
+def resume_from_a_file_object(path, model, optimizer, scaler):
+    with open(path, "rb") as file:
+        checkpoint = torch.load(file)
+    for obj, key in ((model, "model"), (optimizer, "optimizer"), (scaler, "scaler")):
+        obj.load_state_dict(checkpoint[key])
+    return checkpoint["step"]
+
+
+def resume_checking_keys(path, model, optimizer, scaler):
+    checkpoint = torch.load(Path(path), weights_only=True)
+    missing = {"model", "optimizer", "scaler", "step"} - checkpoint.keys()
+    if missing:
+        raise KeyError(missing)
+    model.load_state_dict(checkpoint["model"], strict=True)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    if checkpoint["scaler"]:
+        scaler.load_state_dict(checkpoint["scaler"])
+    return checkpoint["step"]
+
+
+def _resume(path, model, optimizer, scaler, *, load=("model", "optimizer", "scaler"), ret=lambda c: c["step"]):
+    checkpoint = torch.load(path, weights_only=True)
+    objects = {"model": model, "optimizer": optimizer, "scaler": scaler}
+    for key in load:
+        objects[key].load_state_dict(checkpoint[key])
+    return ret(checkpoint)
+
+
+def resume_wrong(**options):
+    return lambda path, model, optimizer, scaler: _resume(path, model, optimizer, scaler, **options)
+
+
+def resume_into_a_new_scaler(path, model, optimizer, scaler):
+    checkpoint = torch.load(path, weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.load_state_dict(checkpoint["scaler"])
+    return checkpoint["step"]
+
+
+def resume_scale_only(path, model, optimizer, scaler):
+    checkpoint = torch.load(path, weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    if checkpoint["scaler"]:
+        scaler.load_state_dict({**scaler.state_dict(), "scale": checkpoint["scaler"]["scale"]})
+    return checkpoint["step"]
+
+
+ALTERNATIVES = [
+    (L.check_fits_in_range, fits_by_casting),
+    (L.check_fits_in_range, fits_elementwise),
+    (L.check_fits_in_range, fits_by_item),
+    (L.check_fits_in_range, fits_by_any),
+    (L.check_run_in_float32, f32_itemsize),
+    (L.check_run_in_float32, f32_manual_restore),
+    (L.check_run_in_float32, f32_decorated),
+    (L.check_run_in_float32, f32_loop),
+    (L.check_loss_scale_schedule, lambda f, s, g: tuple(L.loss_scale_schedule(f, s, g))),
+    (L.check_loss_scale_schedule, schedule_with_a_real_scaler),
+    (L.check_loss_scale_schedule, schedule_by_modulo),
+    (L.check_loss_scale_schedule, schedule_with_powers),
+    (L.check_loss_scale_schedule, lambda f, s, g: torch.tensor(L.loss_scale_schedule(f, s, g), dtype=torch.float64)),
+    (L.check_amp_step, amp_relying_on_the_scaler),
+    (L.check_amp_step, amp_checking_every_gradient),
+    (L.check_amp_step, amp_loss_on_float32_logits),
+    (L.check_amp_step, amp_with_error_if_nonfinite),
+    (L.check_save_amp_checkpoint, save_with_the_training_helper),
+    (L.check_save_amp_checkpoint, save_step_by_step),
+    (L.check_save_amp_checkpoint, save_deep_copies),
+    (L.check_resume_amp, resume_guarded),
+    (L.check_resume_amp, resume_from_a_file_object),
+    (L.check_resume_amp, resume_checking_keys),
+]
+
+
+@pytest.mark.parametrize("check, answer", ALTERNATIVES, ids=lambda v: getattr(v, "exercise_name", None) or getattr(v, "__name__", ""))
+def test_correct_alternatives_pass(check, answer):
+    assert_passes(check, answer)
 
 
 WRONG = [
+    # fits_in_range
     (L.check_fits_in_range, lambda x, d: bool(x.abs().max() <= torch.finfo(d).eps), "compared with torch.finfo\\(dtype\\).eps"),
     (L.check_fits_in_range, lambda x, d: bool(x.abs().max() <= torch.finfo(d).tiny), "compared with torch.finfo\\(dtype\\).tiny"),
     (L.check_fits_in_range, lambda x, d: bool(x.max() <= torch.finfo(d).max), "large negative value.*x.abs\\(\\)"),
     (L.check_fits_in_range, lambda x, d: bool(x.abs().max() < torch.finfo(d).max), "use <=, not <"),
     (L.check_fits_in_range, lambda x, d: bool(x.abs().max() <= 65504), "float16's limit only"),
-    (L.check_fits_in_range, lambda x, d: bool(x.abs().max() <= torch.finfo(d).max and x.abs().min() >= torch.finfo(d).tiny), "below finfo\\(dtype\\).tiny do not overflow"),
+    (L.check_fits_in_range, lambda x, d: bool(x.abs().max() <= torch.finfo(d).max and x.abs().min() >= torch.finfo(d).tiny),
+     "below finfo\\(dtype\\).tiny do not overflow"),
     (L.check_fits_in_range, lambda x, d: x.abs().max() <= torch.finfo(d).max, "is a tensor, expected a Python bool"),
     (L.check_fits_in_range, lambda x, d: bool(x.abs().max() <= torch.finfo(torch.float16).max), "float16's limit only"),
     (L.check_fits_in_range, lambda x, d: True, "torch.float16\\): expected False, got True"),
     (L.check_fits_in_range, lambda x, d: None, "is None: did you forget to `return` it"),
-    (L.check_fits_in_range, fits_by_casting, None),
-    (L.check_autocast_forward, forward_without_autocast, "the output is float32, so nothing ran in lower precision"),
-    (L.check_autocast_forward, forward_with_bf16_model, "parameters are now torch.bfloat16.*autocast keeps them float32"),
-    (L.check_autocast_forward, forward_with_bf16_model_fp32_input, "raised RuntimeError.*leave the model as it is"),
-    (L.check_autocast_forward, forward_in_fp16, "float16: on the CPU use dtype=torch.bfloat16"),
-    (L.check_autocast_forward, forward_on_cuda if not torch.cuda.is_available() else forward_without_autocast, "device_type='cuda' does nothing" if not torch.cuda.is_available() else "float32"),
-    (L.check_autocast_forward, forward_converted_back, "converted back to float32"),
-    (L.check_autocast_forward, forward_cast_at_the_end, "only the result was cast"),
-    (L.check_autocast_forward, forward_without_grad, "does not require grad"),
-    (L.check_autocast_forward, forward_leaving_autocast_on, "still switched on after your function returned"),
-    (L.check_autocast_forward, lambda m, x: None, "is None"),
-    (L.check_autocast_forward, forward_amp_autocast, None),
-    (L.check_saved_bytes, saved_numel, "number of elements.*element_size"),
-    (L.check_saved_bytes, saved_four_bytes, "under CPU bf16 autocast.*4 bytes.*element_size"),
-    (L.check_saved_bytes, saved_duplicates, "counted more than once.*each storage once"),
-    (L.check_saved_bytes, saved_with_params, "parameters were counted"),
-    (L.check_saved_bytes, saved_everything, "parameters were counted, and tensors saved twice"),
-    (L.check_saved_bytes, saved_under_no_grad, "is 0: nothing was saved"),
-    (L.check_saved_bytes, saved_output_bytes, "expected [\\d,]+ bytes$"),
-    (L.check_saved_bytes, lambda m, x: torch.tensor(L.saved_bytes(m, x)), "is a tensor.*item"),
-    (L.check_saved_bytes, lambda m, x: None, "is None"),
-    (L.check_saved_bytes, lambda m, x: L.saved_bytes(m, x) / 2**20, "whole number of bytes"),
-    (L.check_saved_bytes, saved_by_data_ptr, None),
-    (L.check_loss_scale_schedule, schedule_no_reset_on_inf, "after an inf/NaN step the count of good steps starts again"),
-    (L.check_loss_scale_schedule, schedule_off_by_one, "growth_interval-th good step"),
-    (L.check_loss_scale_schedule, schedule_no_reset_on_growth, "after the scale doubles, the count"),
-    (L.check_loss_scale_schedule, schedule_before_update, "after each step's update\\(\\), not the scale the step used"),
+    (L.check_fits_in_range, lambda x, d: (x.abs().max() <= torch.finfo(d).max).numpy(), "is a numpy.ndarray, expected a Python bool: wrap it in bool"),
+    # run_in_float32
+    (L.check_run_in_float32, f32_cast_only, "autocast was still on while fn ran, so its matmul ran in bfloat16 although you passed float32"),
+    (L.check_run_in_float32, f32_disable_only, "fn received a as bfloat16: with autocast off each op runs in its inputs' dtype"),
+    (L.check_run_in_float32, f32_on_cuda, "autocast was still on while fn ran.*for the tensors' device type"),
+    (L.check_run_in_float32, f32_casting_float64_down, r"fn received b \(float64 in the call\) as float32: cast only bfloat16 and float16"),
+    (L.check_run_in_float32, f32_casting_everything, r"fn received index \(int64 in the call\) as float32"),
+    (L.check_run_in_float32, f32_detached, "does not require grad, so no gradient reaches a"),
+    (L.check_run_in_float32, f32_no_grad, "does not require grad"),
+    (L.check_run_in_float32, f32_left_off, "autocast was off after your function returned"),
+    (L.check_run_in_float32, f32_switched_back_on, "outside autocast: autocast was on after your function returned, though it was off before"),
+    (L.check_run_in_float32, f32_restored_without_finally, "when fn raised, autocast stayed switched off in the caller"),
+    (L.check_run_in_float32, f32_swallowing_errors, "when fn raised, your function returned normally"),
+    (L.check_run_in_float32, f32_twice, "fn was called 2 times: call it once"),
+    (L.check_run_in_float32, f32_cast_back, "expected dtype torch.float32, got torch.bfloat16"),
+    (L.check_run_in_float32, f32_float_everything, "raised AttributeError: 'float' object has no attribute 'float'"),
+    (L.check_run_in_float32, f32_resetting_the_dtype, "autocast's dtype was bfloat16 after your function returned, expected float16"),
+    (L.check_run_in_float32, lambda fn, *args: fn, "fn was never called"),
+    (L.check_run_in_float32, f32_autocast_in_float32, r"torch.autocast\(..., dtype=torch.float32\) warned and switched itself off: switch autocast off with enabled=False"),
+    # loss_scale_schedule
+    (L.check_loss_scale_schedule, schedule_variant(reset_on_inf=False), "after an inf/NaN step the count of good steps starts again"),
+    (L.check_loss_scale_schedule, schedule_variant(off_by_one=True), "growth_interval-th good step"),
+    (L.check_loss_scale_schedule, schedule_variant(reset_on_growth=False), "after the scale doubles, the count"),
+    (L.check_loss_scale_schedule, schedule_variant(before=True), "after each step's update\\(\\), not the scale the step used"),
     (L.check_loss_scale_schedule, schedule_doubling_on_inf, "after step 3 \\(found_inf=True\\) the scale should be 8"),
     (L.check_loss_scale_schedule, lambda f, s, g: L.loss_scale_schedule(f, s, g)[:-1], "one scale per step"),
     (L.check_loss_scale_schedule, lambda f, s, g: None, "is None"),
-    (L.check_loss_scale_schedule, lambda f, s, g: tuple(L.loss_scale_schedule(f, s, g)), None),  # a tuple is fine
-    (L.check_scaled_step, step_clip_before_unscale, "clipped while still scaled.*unscale_"),
-    (L.check_scaled_step, step_without_clip, "not clipped.*clip_grad_norm_"),
-    (L.check_scaled_step, step_without_update, "scale stayed 1024.*scaler.update\\(\\)"),
-    (L.check_scaled_step, step_with_optimizer_step, "became inf/NaN.*scaler.step\\(optimizer\\)"),
-    (L.check_scaled_step, step_without_scale, "raised AssertionError.*not scaled anything yet: call scaler.scale\\(loss\\).backward\\(\\)"),
-    (L.check_scaled_step, step_update_first, "after scaler.step\\(optimizer\\), not before"),
-    (L.check_scaled_step, step_unscale_twice, "raised RuntimeError.*once per step"),
-    (L.check_scaled_step, step_backward_only, "did not change: call scaler.step"),
-    (L.check_scaled_step, lambda m, loss, o, s, n: None, "no gradients were computed"),
-    (L.check_scaled_step, step_zeroing_after, None),
-    (L.check_accumulate_scaled, lambda *a: _accumulate(*a, divide=False), "4x too large.*divide"),
-    (L.check_accumulate_scaled, lambda *a: _accumulate(*a, zero="none"), "old gradients.*zero_grad\\(\\) once"),
-    (L.check_accumulate_scaled, lambda *a: _accumulate(*a, zero="inside"), "only the last micro-batch"),
-    (L.check_accumulate_scaled, lambda *a: _accumulate(*a, scale=False), "raised AssertionError.*not scaled anything yet"),
-    (L.check_accumulate_scaled, lambda *a: _accumulate(*a, step_each=True), "stepped 4 times"),
-    (L.check_accumulate_scaled, lambda *a: _accumulate(*a, update=False), "scale stayed 256.*scaler.update\\(\\)"),
-    (L.check_accumulate_scaled, lambda *a: _accumulate(*a, dtype=None), "forward ran in torch.float32.*float16"),
-    (L.check_accumulate_scaled, lambda *a: _accumulate(*a, dtype=torch.bfloat16), "forward ran in torch.bfloat16"),
-    (L.check_accumulate_scaled, lambda *a: None, "never called"),
+    (L.check_loss_scale_schedule, schedule_ints, r"\[True, True, False, True\], init_scale=2, growth_interval=3\): after step 1 .*should be 0.5, got 0$"),
+    (L.check_loss_scale_schedule, schedule_generator, "is a generator, expected a list of floats"),
+    (L.check_loss_scale_schedule, lambda f, s, g: L.loss_scale_schedule(f, s, g)[-1] if f else [], "is a float, expected a list"),
+    # amp_step
+    (L.check_amp_step, amp_wrong(guard="none"), "bfloat16, step 3: the loss was NaN .*stepped anyway: a disabled scaler skips nothing"),
+    (L.check_amp_step, amp_wrong(guard="loss"), "bfloat16, step 7: the loss was finite, but a gradient overflowed to inf in backward, and the optimizer stepped anyway"),
+    (L.check_amp_step, amp_wrong(guard="nan"), "bfloat16, step 7: the loss was finite, but a gradient overflowed"),
+    (L.check_amp_step, amp_wrong(guard="inverted"), "float16, step 0: the loss and the gradients of this step are finite in the reference solution, but your optimizer did not step"),
+    (L.check_amp_step, amp_wrong(clip="before"), "float16, step 0: the gradients were clipped while still scaled"),
+    (L.check_amp_step, amp_wrong(clip="none"), "float16, step 0: the gradients were not clipped"),
+    (L.check_amp_step, amp_wrong(clip="each"), "clipped on its own"),
+    (L.check_amp_step, amp_wrong(zero=False), "float16, step 0: old gradients were still in .grad"),
+    (L.check_amp_step, amp_wrong(update="on_step"), "float16, step 1: the loss was NaN.*back off from 262144 to 131072.*update\\(\\) on skipped steps too"),
+    (L.check_amp_step, amp_wrong(update="never"), "float16, step 0: the scale is 131072, expected 262144"),
+    (L.check_amp_step, amp_wrong(autocast_dtype=torch.bfloat16), "float16, step 0: the forward ran in bfloat16: use the dtype you were given, float16"),
+    (L.check_amp_step, amp_wrong(always_autocast=True), r"float32, step 0: torch.autocast\(..., dtype=torch.float32\) warned"),
+    (L.check_amp_step, amp_wrong(device="cuda"), "device_type='cuda' does nothing for CPU tensors"),
+    (L.check_amp_step, amp_wrong(cast_model=True), "raised ValueError: Attempting to unscale FP16 gradients. .the parameters are float16"),
+    (L.check_amp_step, amp_wrong(ret="none"), "returned None, expected a Python bool"),
+    (L.check_amp_step, amp_wrong(ret="loss"), "returned torch.Tensor, expected a Python bool"),
+    (L.check_amp_step, amp_wrong(ret="tensor"), "returned torch.Tensor, expected a Python bool"),
+    (L.check_amp_step, amp_wrong(scale=False), "raised AssertionError.*not scaled anything yet"),
+    (L.check_amp_step, amp_wrong(guard="loss", on_skip="zero_and_step"), "float16, step 1: the loss was NaN .*the optimizer stepped anyway"),
+    (L.check_amp_step, lambda *args: None, "the model was never called"),
+    (L.check_amp_step, amp_loss_outside_autocast, ("float16, step 0: the loss came out float16: it was computed outside autocast on "
+                                                    "float16 logits; scaling a float16 loss by 131072, above float16's largest value "
+                                                    "65504, overflows")),
+    (L.check_amp_step, amp_zeroing_only_at_the_end, "float16, step 0: old gradients were still in .grad"),
+    # save_amp_checkpoint
+    (L.check_save_amp_checkpoint, save_without_the_scaler, "no 'scaler' entry.*save scaler.state_dict\\(\\)"),
+    (L.check_save_amp_checkpoint, save_under_another_name, r"no 'scaler' entry \(keys: \['grad_scaler', 'model', 'optimizer', 'step'\]\)"),
+    (L.check_save_amp_checkpoint, save_wrong(scaler=lambda m, o, s, n: s), "holds the GradScaler object itself.*save scaler.state_dict\\(\\)"),
+    (L.check_save_amp_checkpoint, save_wrong(scaler=lambda m, o, s, n: s.get_scale()), "holds only the scale"),
+    (L.check_save_amp_checkpoint, save_wrong(scaler=lambda m, o, s, n: torch.amp.GradScaler("cpu").state_dict()),
+     r"checkpoint\['scaler'\] is \{'scale': 65536.0.*expected scaler.state_dict\(\)"),
+    (L.check_save_amp_checkpoint, save_wrong(model=lambda m, o, s, n: m), "holds a model object.*model.state_dict\\(\\)"),
+    (L.check_save_amp_checkpoint, save_wrong(optimizer=lambda m, o, s, n: o), "holds an optimizer object"),
+    (L.check_save_amp_checkpoint, save_wrong(model=lambda m, o, s, n: list(m.parameters())), r"checkpoint\['model'\] is not the model's state_dict"),
+    (L.check_save_amp_checkpoint, save_wrong(step=lambda m, o, s, n: n + 1), r"checkpoint\['step'\]: expected 7, got 8"),
+    (L.check_save_amp_checkpoint, save_wrong(step=lambda m, o, s, n: torch.tensor(n)), r"checkpoint\['step'\] is a tensor, expected a Python int"),
+    (L.check_save_amp_checkpoint, save_wrong(optimizer=lambda m, o, s, n: {"state": {}, "param_groups": o.state_dict()["param_groups"]}),
+     r"checkpoint\['optimizer'\] is not the optimizer's state_dict"),
+    (L.check_save_amp_checkpoint, save_with_pickle, "cannot read the file"),
+    (L.check_save_amp_checkpoint, save_nothing, "nothing was written to the path"),
+    (L.check_save_amp_checkpoint, save_after_an_update, "changed the scaler's state"),
+    # resume_amp
+    (L.check_resume_amp, resume_wrong(load=("model", "optimizer")), "still has a fresh scaler's scale, 65536, not the saved 262144"),
+    (L.check_resume_amp, resume_into_a_new_scaler, "still has a fresh scaler's scale, 65536"),
+    (L.check_resume_amp, resume_scale_only, r"the scaler's state is \{.*'growth_interval': 2000.*expected the saved"),
+    (L.check_resume_amp, resume_wrong(load=("model", "scaler")), "the optimizer's state .* is not the saved one"),
+    (L.check_resume_amp, resume_wrong(load=("optimizer", "scaler")), "the model's weights are not the saved ones"),
+    (L.check_resume_amp, resume_wrong(ret=lambda c: c["step"] + 1), "returned 6, expected 5: return the step stored in the checkpoint"),
+    (L.check_resume_amp, resume_wrong(ret=lambda c: None), "is None: did you forget to `return` it"),
+    (L.check_resume_amp, resume_wrong(ret=lambda c: torch.tensor(c["step"])), "returned a tensor, expected the Python int 5"),
+    (L.check_resume_amp, resume_wrong(ret=lambda c: c), "is a dict .*expected an int"),
+    (L.check_resume_amp, resume_wrong(ret=lambda c: float(c["step"])), "is a float \\(5.0\\), expected an int"),
 ]
 
 
-RAISING = [  # errors inside the learner's code: one line, arguments named briefly
-    (L.check_fits_in_range, lambda x, d: x.abs().max() <= d.max, r"^fits_in_range: <lambda>\(torch.tensor\(\[0.5, -3.0, 0.0010000000474974513\]\), torch.float16\) raised AttributeError"),
-    (L.check_autocast_forward, lambda m, x: m(x.T), r"^autocast_forward: <lambda>\(model \(float32 weights\), tensor of shape \(16, 12\)\) raised RuntimeError"),
-    (L.check_scaled_step, lambda m, loss, o, s, n: s.step(), r"^scaled_step: <lambda>\(model, loss, optimizer, scaler \(scale 1024\), max_norm=0.05\) raised TypeError"),
-    (L.check_accumulate_scaled, lambda m, b, fn, o, s: m(b), r"^accumulate_scaled: <lambda>\(model, 4 micro-batches of 5, F.cross_entropy, optimizer, scaler \(scale 256\)\) raised TypeError"),
-]
-
-
-@pytest.mark.parametrize("check, wrong, message", WRONG)
+@pytest.mark.parametrize("check, wrong, message", WRONG, ids=lambda v: getattr(v, "exercise_name", None) if callable(v) else None)
 def test_wrong_answers_name_the_fault(check, wrong, message):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # autocast on "cuda" without a GPU says so
         assert_names_fault(check, wrong, message)
+
+
+@pytest.mark.parametrize("check", [c for c, _ in PAIRS], ids=lambda c: c.exercise_name)
+def test_each_check_is_tested_enough(check):
+    """The bar: at least 3 correct alternatives and 8 typical wrong answers per check."""
+    assert sum(c is check for c, _ in ALTERNATIVES) >= 3
+    assert sum(c is check for c, _, _ in WRONG) >= 8
+
+
+RAISING = [  # errors inside the learner's code: one line, arguments named briefly
+    (L.check_fits_in_range, lambda x, d: x.abs().max() <= d.max, r"^fits_in_range: <lambda>\(torch.tensor\(\[0.5, -3.0, 0.0010000000474974513\]\), torch.float16\) raised AttributeError"),
+    (L.check_run_in_float32, lambda fn, *a: fn(*a[:2]), r"^run_in_float32: run_in_float32\(fn, a \(bfloat16\), b \(bfloat16\), index \(int64\), 0.5\) raised TypeError: fn takes 4 arguments"),
+    (L.check_amp_step, lambda m, x, y, f, o, s, d, n: s.step(), r"^amp_step: amp_step\(model, inputs, targets, F.cross_entropy, optimizer, scaler \(enabled\), torch.float16, max_norm=0.5\) raised TypeError"),
+    (L.check_resume_amp, lambda path, m, o, s: torch.load(path)["epoch"], r"^resume_amp: resume_amp\(path, model, optimizer, scaler \(fresh\)\) raised KeyError"),
+]
 
 
 @pytest.mark.parametrize("check, wrong, message", RAISING)
@@ -331,15 +646,17 @@ def test_errors_inside_the_learners_code_are_one_short_line(check, wrong, messag
 
 
 @pytest.mark.parametrize("check, reference", PAIRS, ids=[r.__name__ for _, r in PAIRS])
-def test_checks_leave_autocast_off(check, reference):
-    """A check leaves autocast as it found it (the random state: lesson_contract)."""
+def test_checks_leave_autocast_and_threads_alone(check, reference):
+    """A check leaves autocast and the thread count as it found them (the random state: lesson_contract)."""
+    threads = torch.get_num_threads()
     check(reference)
     assert not torch.is_autocast_enabled("cpu")
+    assert torch.get_num_threads() == threads
 
 
 def test_a_check_switches_off_autocast_a_learner_left_on():
     with pytest.raises(ExerciseFailed):
-        L.check_autocast_forward(forward_leaving_autocast_on)
+        L.check_run_in_float32(f32_switched_back_on)
     assert not torch.is_autocast_enabled("cpu")
 
 
@@ -352,14 +669,73 @@ def test_the_schedule_is_torchs_gradscaler():
         assert L.loss_scale_schedule(found_inf, init_scale, interval) == L._gradscaler_scales(found_inf, init_scale, interval)
 
 
+def test_run_in_float32_matches_torchs_custom_fwd():
+    """The reference casts as torch.amp.custom_fwd(cast_inputs=torch.float32) does: 16-bit floats up, float64 and ints kept."""
+    seen = {}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+        def forward(ctx, a, b, index):
+            seen["torch"] = (a.dtype, b.dtype, index.dtype, torch.is_autocast_enabled("cpu"))
+            return a.sum() + b.sum()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None, None, None
+
+    def mine(a, b, index):
+        seen["mine"] = (a.dtype, b.dtype, index.dtype, torch.is_autocast_enabled("cpu"))
+
+    for dtype in HALF:
+        a, b, index = torch.ones(2, dtype=dtype), torch.ones(2, dtype=torch.float64), torch.arange(2)
+        with torch.autocast("cpu", dtype=dtype):
+            Probe.apply(a, b, index)
+            L.run_in_float32(mine, a, b, index)
+        assert seen["mine"] == seen["torch"] == (torch.float32, torch.float64, torch.int64, False)
+
+
+def test_the_hidden_amp_runs_go_wrong_where_the_check_says():
+    """Each precision's hidden run has a NaN loss and a backward overflow on steps of its own; float16 overflows by itself too."""
+    skipped = {}
+    for dtype in L._AMP_ORDER:
+        batches, nan_step, overflow_step = L._amp_batches(dtype)
+        run = L._AmpRun(dtype)
+        results = []
+        for step, (x, y) in enumerate(batches):
+            run.overflow = step == overflow_step
+            results.append(L.amp_step(run.model, x, y, F.cross_entropy, run.optimizer, run.scaler, dtype, L._AMP_MAX_NORM))
+        skipped[dtype] = [s for s, ok in enumerate(results) if not ok]
+        assert {nan_step, overflow_step} <= set(skipped[dtype]) and results[0]
+    assert len(skipped[torch.float16]) == 3 and len(skipped[torch.bfloat16]) == len(skipped[torch.float32]) == 2
+
+
 def test_the_mistake_simulations_differ_from_the_right_answer():
-    """Each simulated wrong answer must give different weights from the right one, or its message could never show."""
-    right = L._step_variant(False, "right")
-    for variant, _ in L._STEP_MISTAKES:
-        assert not L._same(L._step_variant(False, variant), right), variant
-    right = L._acc_variant("right")
-    for variant, _ in L._ACC_MISTAKES:
-        assert not L._same(L._acc_variant(variant), right, atol=1e-5), variant
+    """Each simulated mistake must change the weights of a good step, or its message could never show."""
+    for dtype in L._AMP_ORDER:
+        (x, y), *_ = L._amp_batches(dtype)[0]
+        right = L._AmpRun(dtype)
+        L.amp_step(right.model, x, y, F.cross_entropy, right.optimizer, right.scaler, dtype, L._AMP_MAX_NORM)
+        for variant, _ in L._AMP_MISTAKES:
+            if variant == "clip_before_unscale" and dtype != torch.float16:
+                continue
+            wrong = L._AmpRun(dtype)
+            L._amp_variant(wrong, x, y, variant)
+            assert L._first_difference(L._params(wrong.model), L._params(right.model), L._AMP_ATOL) is not None, (dtype, variant)
+
+
+def test_a_fresh_scaler_after_a_resume_replays_the_overflows(tmp_path):
+    """Why the scaler goes into the checkpoint: resumed with a fresh one, the run skips steps the original did not."""
+    original = L._trained_run(torch.float16, 6, init_scale=2.0 ** 24)
+    L.save_amp_checkpoint(tmp_path / "amp.pt", original.model, original.optimizer, original.scaler, 6)
+    fresh = L._AmpRun(torch.float16, seed=9)
+    fresh.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=3)
+    state = torch.load(tmp_path / "amp.pt", weights_only=True)
+    fresh.model.load_state_dict(state["model"])
+    fresh.optimizer.load_state_dict(state["optimizer"])
+    L._continue(original, 4, seed=5)
+    L._continue(fresh, 4, seed=5)
+    assert original.scaler.get_scale() != fresh.scaler.get_scale()
 
 
 def test_saved_bytes_halves_activations_under_autocast():
@@ -372,17 +748,38 @@ def test_saved_bytes_halves_activations_under_autocast():
         bf16 = L.saved_bytes(model, x)
     assert fp32 == 3 * 2048 * 256 * 4  # the input and two ReLU outputs, float32
     assert bf16 < 0.6 * fp32
+    rows = L.saved_tensors(model, x[:8])
+    assert [r["storage"] for r in rows] == ["new", "new", "again", "parameter", "new", "again", "parameter"]
+    assert not model[0]._forward_pre_hooks  # the listing removes its hooks
 
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "solutions" / "06_amp.ipynb"
 
 
-def _notebook_code() -> list[str]:
-    return [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"]
+def _notebook() -> nbformat.NotebookNode:
+    return nbformat.read(NOTEBOOK, as_version=4)
 
 
 def test_no_deprecated_amp_call_in_code():
     """torch.cuda.amp / torch.cpu.amp are named in markdown prose only: no code cell calls them."""
-    for source in _notebook_code():
-        for spelling in ("torch.cuda.amp.", "torch.cpu.amp."):
-            assert spelling not in source, source.splitlines()[0]
+    for cell in _notebook().cells:
+        if cell.cell_type == "code":
+            for spelling in ("torch.cuda.amp.", "torch.cpu.amp."):
+                assert spelling not in cell.source, cell.source.splitlines()[0]
+
+
+def test_study_time_is_stated_in_the_metadata_and_at_the_top():
+    nb = _notebook()
+    minutes = nb.metadata["course"]["study_minutes"]
+    assert isinstance(minutes, int) and 30 <= minutes <= 240
+    assert f"Estimated study time: about {minutes} minutes" in nb.cells[0].source
+
+
+def test_the_learner_writes_the_central_apis():
+    """The issue's list: the learner writes scaler.state_dict() into a checkpoint, loads it back, and a float32 region."""
+    solutions = {tag.split(":", 1)[1]: cell.source for cell in _notebook().cells
+                 for tag in cell.metadata.get("tags", []) if tag.startswith("exercise:")}
+    assert "scaler.state_dict()" in solutions["save_amp_checkpoint"]
+    assert "load_state_dict" in solutions["resume_amp"]
+    assert "enabled=False" in solutions["run_in_float32"]
+    assert "unscale_" in solutions["amp_step"] and "clip_grad_norm_" in solutions["amp_step"]
