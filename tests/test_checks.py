@@ -783,3 +783,15 @@ def test_a_stub_in_the_exercises_own_cell_is_the_exercise_not_attempted(tmp_path
     assert _exercise_named("double").verdict(double).reason == (
         "not attempted yet: replace `raise NotImplementedError` in double with your code"
     )
+
+
+def test_a_check_runs_on_one_thread_and_restores_the_count():
+    seen = []
+
+    @exercise("threads")
+    def check(fn):
+        seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    check.verdict(None)
+    assert seen == [1] and torch.get_num_threads() == before

@@ -104,7 +104,7 @@ def judge(check: Callable, name: str, *args, **kwargs) -> Verdict:
     seconds = exercise_seconds()
     try:
         # Checks seed their own hidden cases; the learner's later cells must draw the same numbers.
-        with torch.random.fork_rng(devices=[]), time_limit(seconds):
+        with torch.random.fork_rng(devices=[]), one_thread(), time_limit(seconds):
             check(*args, **kwargs)
     except ExerciseNotAttempted as err:
         return Verdict(name, "not attempted", err.message)
@@ -131,6 +131,17 @@ def report(verdict: Verdict) -> None:
     from IPython.display import display
 
     display({"text/plain": verdict.line(), "text/html": verdict_html(verdict)}, raw=True)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run a check's small tensors on one thread: on a busy machine, two threads fighting for two cores run a check many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager
