@@ -172,3 +172,13 @@ def test_no_demo_cell_calls_an_exercise(source):
             calls = [line for line in cell.source.splitlines()
                      if re.search(rf"(?<![\w.]){name}\(", line) and f"def {name}(" not in line]
             assert not calls, f"{source.name}: a demo cell calls the exercise {name}: {calls[0].strip()}"
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
+def test_each_lesson_states_its_study_time(source):
+    """The estimate up top and the one in the metadata (which the README's course map shows) agree."""
+    nb = nbformat.read(source, as_version=4)
+    minutes = nb.metadata.get("course", {}).get("study_minutes")
+    assert isinstance(minutes, int) and 10 <= minutes <= 180, f"{source.name}: metadata course.study_minutes is {minutes!r}"
+    first = next(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert re.search(rf"Estimated study time: about {minutes} minutes", first), f"{source.name}: the first cell does not say 'Estimated study time: about {minutes} minutes'"
