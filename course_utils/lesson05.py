@@ -1,84 +1,106 @@
 """Lesson 05 (training): reference solutions and the checks for its exercises."""
 
+import contextlib
 import copy
+import functools
 import math
-from typing import Callable
+import re
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 from torch.utils.data import DataLoader, TensorDataset
 
-from course_utils.tooling.checks import ExerciseFailed, call, exercise, expect_equal, expect_tensor, scoreboard_for
+from course_utils.tooling.checks import ExerciseFailed, a_type, call, exercise, expect_tensor, expect_unchanged, scoreboard_for
+from course_utils.training import train_one_epoch
 
 scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
 
 # Reference solutions. The checks compare the learner's answers with these.
 
-def train_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable, optimizer: torch.optim.Optimizer) -> float:
-    """One optimisation step on one batch (inputs, targets); return the batch's loss as a Python float."""
-    inputs, targets = batch
-    optimizer.zero_grad()
-    loss = loss_fn(model(inputs), targets)
-    loss.backward()
+def sequence_loss(logits: torch.Tensor, targets: torch.Tensor, pad_index: int) -> torch.Tensor:
+    """Mean cross-entropy over the positions of (N, T, C) logits whose (N, T) target is not pad_index."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=pad_index)
+
+
+def make_adamw(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters: weight decay on those with 2+ dimensions, none on the others."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr)
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, start_factor: float, min_lr: float) -> LRScheduler:
+    """Linear warm-up from start_factor x lr to lr over warmup_steps, then a half cosine down to min_lr at total_steps."""
+    warmup = LinearLR(optimizer, start_factor=start_factor, total_iters=warmup_steps)
+    decay = CosineAnnealingLR(optimizer, T_max=total_steps - warmup_steps, eta_min=min_lr)
+    return SequentialLR(optimizer, [warmup, decay], milestones=[warmup_steps])
+
+
+def accumulation_step(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable,
+                      optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+    """One step as for one batch of all the micro-batches' samples (any sizes), clipped to max_norm; return the norm before clipping."""
+    optimizer.zero_grad(set_to_none=True)
+    n_samples = sum(len(targets) for _, targets in micro_batches)
+    for inputs, targets in micro_batches:
+        share = len(targets) / n_samples  # loss_fn gives a mean: weight it by the micro-batch's share of the samples
+        (loss_fn(model(inputs), targets) * share).backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
-    return loss.item()
-
-
-def make_onecycle(optimizer: torch.optim.Optimizer, max_lr: float, epochs: int, steps_per_epoch: int) -> torch.optim.lr_scheduler.OneCycleLR:
-    """A OneCycleLR schedule that peaks at max_lr and lasts epochs * steps_per_epoch batches."""
-    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, epochs=epochs, steps_per_epoch=steps_per_epoch)
-
-
-def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> float:
-    """Fraction (0 to 1) of rows of logits (N, C) whose largest entry is at the target class index."""
-    return (logits.argmax(dim=1) == targets).float().mean().item()
+    return norm.item()
 
 
 def evaluate_model(model: nn.Module, loader: DataLoader, loss_fn: Callable) -> dict[str, float]:
-    """{"loss": mean loss per sample, "accuracy": fraction correct} over loader, in eval mode without gradients."""
+    """{"loss": mean loss per sample, "accuracy": fraction correct} over loader, in eval mode without a graph; modes restored."""
+    modes = {module: module.training for module in model.modules()}
     model.eval()
-    total_loss, correct, count = 0.0, 0, 0
+    loss_sum, correct, count = 0.0, 0, 0
     with torch.no_grad():
         for inputs, targets in loader:
             logits = model(inputs)
-            total_loss += loss_fn(logits, targets).item() * len(targets)
+            loss_sum += loss_fn(logits, targets).item() * len(targets)
             correct += (logits.argmax(dim=1) == targets).sum().item()
             count += len(targets)
-    return {"loss": total_loss / count, "accuracy": correct / count}
+    for module, training in modes.items():
+        module.training = training  # each module its own mode back: model.train(flag) would set them all alike
+    return {"loss": loss_sum / count, "accuracy": correct / count}
 
 
-def accumulate_gradients(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable) -> None:
-    """Leave in .grad the gradient of the mean loss over all micro-batches (equal sizes), as one big batch would."""
-    model.zero_grad()
-    for inputs, targets in micro_batches:
-        loss = loss_fn(model(inputs), targets) / len(micro_batches)
-        loss.backward()
+def train_resumable(model: nn.Module, loader: DataLoader, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+                    scheduler: LRScheduler, shuffle: torch.Generator, epochs: int, path: Path) -> list[float]:
+    """Train until `epochs` epochs are done in all, resuming from `path` if it exists and saving there after each epoch."""
+    losses = []
+    if path.exists():
+        state = torch.load(path, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])  # dropout draws from it
+        shuffle.set_state(state["shuffle_rng"])  # the loader's order of the next epochs
+        losses = state["losses"]
+    while len(losses) < epochs:
+        losses.append(train_one_epoch(model, loader, loss_fn, optimizer))
+        scheduler.step()
+        torch.save({
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "shuffle_rng": shuffle.get_state(),
+            "losses": losses,
+        }, path)
+    return losses
 
 
-def early_stop(val_losses: list[float], patience: int) -> bool:
-    """True when the best (lowest) validation loss is `patience` or more epochs old."""
-    if not val_losses:
-        return False
-    best_epoch = val_losses.index(min(val_losses))  # the first time the best value was reached
-    return len(val_losses) - 1 - best_epoch >= patience
-
-
-# Hidden test problems, seeded so that every check run sees the same numbers.
-
-def _net(seed: int, p_drop: float = 0.0) -> nn.Module:
-    torch.manual_seed(seed)  # the check's own stream; the learner's RNG state does not matter here
-    layers = [nn.Linear(6, 8), nn.ReLU()]
-    if p_drop:
-        layers.append(nn.Dropout(p_drop))
-    return nn.Sequential(*layers, nn.Linear(8, 3))
-
-
-def _batch(n: int, seed: int, n_features: int = 6, n_classes: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, n_features, generator=g), torch.randint(0, n_classes, (n,), generator=g)
-
+# Shared helpers of the checks.
 
 def _kind(value) -> str:
     """A value's type as a learner would write it: float, numpy.bool, torch.optim.lr_scheduler.StepLR."""
@@ -87,255 +109,818 @@ def _kind(value) -> str:
         return kind.__name__
     if kind.__module__.startswith("torch.optim.lr_scheduler"):
         return f"torch.optim.lr_scheduler.{kind.__qualname__}"
+    if kind.__module__.startswith("torch.optim"):
+        return f"torch.optim.{kind.__qualname__}"
     return f"{kind.__module__.split('.')[0]}.{kind.__qualname__}"
 
 
-def _params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+def _one_thread(check: Callable) -> Callable:
+    """Run a check on one CPU thread: its problems are tiny, and a second thread only adds waiting (seconds on a busy machine)."""
+
+    @functools.wraps(check)
+    def run(fn) -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            check(fn)
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
 
 
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> bool:
-    return all(torch.allclose(a[k], b[k], atol=atol, rtol=1e-5) for k in a)
+def _close(a: float, b: float, tol: float = 1e-5) -> bool:
+    return math.isclose(a, b, rel_tol=tol, abs_tol=tol / 10)
 
 
-def _expect_float(got, what: str, hint: str = "call .item() on it") -> float:
+def _diagnose(got: float, expected: float, variants: list[tuple[float | None, str]], plain: str, tol: float = 1e-5) -> None:
+    """Pass when got is expected; else fail with the one known mistake that gives exactly got, or a plain expected/got.
+
+    A variant counts only where its value differs from the right one, and only one message may match:
+    a guess at the cause is given only when the numbers leave no other reading.
+    """
+    if _close(got, expected, tol):
+        return
+    matched = {message for value, message in variants if value is not None and _close(got, value, tol) and not _close(value, expected, tol)}
+    if len(matched) == 1:
+        raise ExerciseFailed(matched.pop())
+    raise ExerciseFailed(plain)
+
+
+def _expect_float(got, what: str) -> float:
+    """A Python float, or one line saying what came instead."""
     if got is None:
         raise ExerciseFailed(f"{what} is None: did you forget to `return` it?")
     if isinstance(got, torch.Tensor):
-        raise ExerciseFailed(f"{what} is a tensor, expected a Python float: {hint}")
-    if isinstance(got, bool) or not isinstance(got, (int, float)):
-        raise ExerciseFailed(f"{what} is a {_kind(got)}, expected a Python float")
-    return float(got)
+        raise ExerciseFailed(f"{what} is a tensor, expected a Python float: call .item() on it")
+    if not isinstance(got, float):
+        raise ExerciseFailed(f"{what} is {a_type(got)} ({str(got)[:40]}), expected a Python float")
+    return got
 
 
-# Checks, one per exercise, in notebook order.
-
-@exercise("train_step")
-def check_train_step(fn) -> None:
-    model = _net(0)
-    start = _params(model)
-    batches = [_batch(8, 1), _batch(8, 2)]
-
-    reference = copy.deepcopy(model)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
-    expected_losses = [train_step(reference, b, F.cross_entropy, ref_opt) for b in batches]
-
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    shown = "model, (inputs of shape (8, 6), targets of shape (8,)), F.cross_entropy, optimizer"
-    got = call(fn, model, batches[0], F.cross_entropy, optimizer, shown=shown)
-    if isinstance(got, torch.Tensor):
-        raise ExerciseFailed("train_step returned a tensor: return loss.item(), a Python float, so the caller holds no graph or device memory")
-    first = _expect_float(got, "the value train_step returned")
-    if _same(_params(model), start, atol=0.0):
-        if any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters()):
-            raise ExerciseFailed("the weights did not change although gradients were computed: call optimizer.step() after loss.backward()")
-        raise ExerciseFailed(
-            "the weights did not change and no gradient was left: call loss.backward() before optimizer.step(), "
-            "and optimizer.zero_grad() before backward, not between backward and step"
-        )
-    if not math.isclose(first, expected_losses[0], rel_tol=1e-5, abs_tol=1e-6):
-        raise ExerciseFailed(f"train_step returned {first:.6g}, expected {expected_losses[0]:.6g}: return this batch's loss, computed before the step")
-    call(fn, model, batches[1], F.cross_entropy, optimizer, shown=shown)
-    if not _same(_params(model), _params(reference)):
-        # The same two steps without zero_grad: the second step uses the sum of both batches' gradients.
-        stale = _net(0)
-        stale_opt = torch.optim.SGD(stale.parameters(), lr=0.5)
-        for inputs, targets in batches:
-            F.cross_entropy(stale(inputs), targets).backward()
-            stale_opt.step()
-        if _same(_params(model), _params(stale)):
-            raise ExerciseFailed(
-                "gradients accumulate across calls: the second step used both batches' gradients; "
-                "call optimizer.zero_grad() at the start of each step"
-            )
-        name, expected = next((k, v) for k, v in _params(reference).items() if not torch.allclose(v, _params(model)[k], atol=1e-6))
-        expect_tensor(_params(model)[name], expected, what=f"parameter {name!r} after two calls (one SGD step each)", atol=1e-6)
+def _param_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in model.named_parameters()}
 
 
-def _lrs(scheduler, optimizer: torch.optim.Optimizer, steps: int) -> list[float]:
-    lrs = []
-    for _ in range(steps):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()  # no gradients, so nothing moves; it keeps the scheduler's order warning quiet
-        scheduler.step()
-    return lrs
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
-@exercise("make_onecycle")
-def check_make_onecycle(fn) -> None:
-    for max_lr, epochs, steps_per_epoch in ((0.1, 3, 7), (0.02, 2, 10)):
-        what = f"make_onecycle(optimizer, max_lr={max_lr}, epochs={epochs}, steps_per_epoch={steps_per_epoch})"
-        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.5, momentum=0.9)
-        scheduler = call(fn, optimizer, max_lr, epochs, steps_per_epoch, shown=f"optimizer, {max_lr}, {epochs}, {steps_per_epoch}")
+def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> str | None:
+    return next((name for name in before if not torch.equal(before[name], after[name])), None)
+
+
+# Exercise 1: sequence_loss
+
+def _sequence_case(n: int, t: int, c: int, pad_index: int, lengths: list[int], seed: int, contiguous: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    if contiguous:
+        logits = torch.randn(n, t, c, generator=g)
+    else:
+        logits = torch.randn(n, c, t, generator=g).transpose(1, 2)  # (N, T, C) over (N, C, T) memory: not contiguous
+    real = torch.tensor([k for k in range(c) if k != pad_index])
+    targets = real[torch.randint(0, len(real), (n, t), generator=g)]
+    if pad_index != 0:
+        targets[0, 0] = 0  # a real token of class 0: padding found by `!= 0` must not pass
+    for row, length in enumerate(lengths):
+        targets[row, length:] = pad_index
+    return logits, targets
+
+
+SEQUENCE_CASES = [  # (N, T, C, pad_index, lengths, seed, contiguous)
+    (3, 6, 12, 7, [6, 4, 1], 51, True),    # padding is a class index inside the range; sequences of 6, 4 and 1 tokens
+    (2, 5, 5, -1, [5, 2], 52, True),       # T == C: the classes read from the wrong dim give a number, not an error
+    (2, 4, 10, 3, [2, 4], 53, False),      # non-contiguous logits: view() cannot flatten them
+    (1, 3, 11, 10, [3], 54, True),         # a batch of one sequence, with no padding at all
+]
+
+
+def _sequence_variants(logits: torch.Tensor, targets: torch.Tensor, pad_index: int) -> list[tuple[float | None, str]]:
+    """The values the typical wrong answers give on this case, each with its diagnosis."""
+    n, t, c = logits.shape
+    flat, flat_targets = logits.detach().reshape(-1, c), targets.reshape(-1)
+    real = flat_targets != pad_index
+    per_token = torch.zeros(len(flat_targets))
+    per_token[real] = F.cross_entropy(flat[real], flat_targets[real], reduction="none")
+    per_row = per_token.view(n, t)
+    lengths = real.view(n, t).sum(dim=1)
+    counted = lengths > 0
+    in_range = 0 <= pad_index < c
+    variants: list[tuple[float | None, str]] = [
+        (float(per_token.sum()), "this is the sum over the real tokens: return their mean"),
+        (float(per_token.sum() / (n * t)), f"divided by all N x T = {n * t} positions, padding included: divide by the number of real tokens"),
+        (float((per_row[counted].sum(dim=1) / lengths[counted]).mean()),
+         "this is the mean of each sequence's mean, which weighs the tokens of short sequences more: every real token must count the same"),
+        (float(F.cross_entropy(flat.softmax(dim=1), flat_targets, ignore_index=pad_index)),
+         "probabilities went into cross_entropy, which applies log_softmax itself: pass the logits"),
+    ]
+    if in_range:
+        variants.append((float(F.cross_entropy(flat, flat_targets)),
+                         f"the padding positions were counted as tokens of class {pad_index}: leave out every position whose target is pad_index"))
+        nonzero = flat_targets != 0
+        variants.append((float(F.cross_entropy(flat[nonzero], flat_targets[nonzero])),
+                         f"positions were left out where the target is 0, not where it is pad_index ({pad_index})"))
+    if t == c:
+        variants.append((float(F.cross_entropy(logits.detach(), targets, ignore_index=pad_index)),
+                         "cross_entropy read dim 1 (the T positions) as the classes: it wants the classes in dim 1, "
+                         "as (N, C, T), or flatten to (N*T, C) logits and (N*T,) targets"))
+    return variants
+
+
+@exercise("sequence_loss")
+@_one_thread
+def check_sequence_loss(fn) -> None:
+    hints = {
+        "Expected target size": "cross_entropy reads dim 1 of its input as the classes",
+        "out of bounds": "a padding position reached cross_entropy as a class index: leave out the positions whose target is pad_index",
+    }
+    for n, t, c, pad_index, lengths, seed, contiguous in SEQUENCE_CASES:
+        data, targets = _sequence_case(n, t, c, pad_index, lengths, seed, contiguous)
+        shown = f"logits of shape ({n}, {t}, {c}){'' if contiguous else ' (not contiguous)'}, targets of shape ({n}, {t}), pad_index={pad_index}"
+        what = f"sequence_loss({shown})"
+        logits = data.clone() if contiguous else data.transpose(1, 2).clone().transpose(1, 2)
+        logits.requires_grad_(True)
+        target_copy = targets.clone()
+        got = call(fn, logits, target_copy, pad_index, shown=shown, hints=hints)
+        expect_unchanged(targets, target_copy, what="sequence_loss (its targets)")
+        expect_unchanged(data, logits.detach(), what="sequence_loss (its logits)")
+        if isinstance(got, (float, int)) and not isinstance(got, bool):
+            raise ExerciseFailed(f"{what} returned a Python number: return the loss tensor itself, so that backward() can run through it")
+        if not isinstance(got, torch.Tensor):
+            raise ExerciseFailed(f"{what} returned None: did you forget to `return` it?" if got is None else f"{what} is {a_type(got)}, expected a 0-d tensor")
+        if tuple(got.shape) == (n, t):
+            raise ExerciseFailed(f"{what} has shape {(n, t)}, one value per position: expected a 0-d tensor, the mean over the real tokens")
+        if tuple(got.shape) == (n,):
+            raise ExerciseFailed(f"{what} has shape ({n},), one value per sequence: expected a 0-d tensor, the mean over every real token")
+        if got.shape != ():
+            raise ExerciseFailed(f"{what}: expected a 0-d tensor, got shape {tuple(got.shape)}")
+        if not got.requires_grad:
+            raise ExerciseFailed(f"{what} does not require grad: it was computed outside autograd (.item(), .detach(), torch.tensor(...) or no_grad), "
+                                 "so backward() cannot reach the logits")
+        expected = sequence_loss(data, targets, pad_index)
+        value = float(got.detach())
+        if math.isnan(value):
+            raise ExerciseFailed(f"{what} is NaN, expected {float(expected):.6g}")
+        _diagnose(value, float(expected), [(v, f"{what}: {m}") for v, m in _sequence_variants(data, targets, pad_index)],
+                  f"{what}: expected {float(expected):.6g}, got {value:.6g}")
+        reference = data.clone().requires_grad_(True)
+        sequence_loss(reference, targets, pad_index).backward()
+        try:
+            got.backward()
+        except RuntimeError as err:
+            raise ExerciseFailed(f"backward() on the loss {what} returned raised RuntimeError ({str(err).splitlines()[0][:100]}): "
+                                 "did your function call backward() itself?") from None
+        if logits.grad is None:
+            raise ExerciseFailed(f"{what}: backward() from your loss gives the logits no gradient: compute it from logits with torch operations")
+        expect_tensor(logits.grad, reference.grad, what=f"the gradient of {what} with respect to the logits", atol=1e-6)
+
+
+# Exercise 2: make_adamw
+
+class _Tagger(nn.Module):
+    """A toy tagger holding every kind of parameter the exercise must sort: tied, frozen, 0-D, norm, conv, and a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(13, 6)
+        self.mix = nn.Conv1d(6, 6, kernel_size=3, padding=1, bias=False)
+        self.norm = nn.LayerNorm(6)
+        self.frozen = nn.Linear(6, 6).requires_grad_(False)
+        self.head = nn.Linear(6, 13)
+        self.head.weight = self.embed.weight  # tied: one tensor under two names
+        self.temperature = nn.Parameter(torch.tensor(1.5))  # registered directly on the model
+        self.register_buffer("positions", torch.arange(6.0))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.mix(self.embed(tokens).transpose(1, 2)).transpose(1, 2) + self.positions)
+        return self.head(self.frozen(x)) / self.temperature
+
+
+def _adamw_models() -> list[tuple[nn.Module, float, float, str]]:
+    torch.manual_seed(21)
+    mlp = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 11))
+    return [(_Tagger(), 3e-4, 0.05, "a tagger (embedding tied to the head, conv, LayerNorm, a frozen layer, a 0-d parameter)"),
+            (mlp, 4e-3, 0.2, "an MLP with BatchNorm1d")]
+
+
+ADAMW_DEFAULTS = {"betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, "maximize": False}
+
+
+@exercise("make_adamw")
+@_one_thread
+def check_make_adamw(fn) -> None:
+    for model, lr, weight_decay, described in _adamw_models():
+        what = f"make_adamw({described}, lr={lr:g}, weight_decay={weight_decay:g})"
+        before = _state(model)
+        flags = {name: p.requires_grad for name, p in model.named_parameters()}
+        optimizer = call(fn, model, lr, weight_decay, shown=f"model, {lr:g}, {weight_decay:g}")
+        changed = next((name for name, p in model.named_parameters() if p.requires_grad != flags[name]), None)
+        if changed:
+            raise ExerciseFailed(f"make_adamw changed requires_grad of {changed!r}: leave the model as it is; parameter groups say what decays")
+        name = _changed(before, _state(model))
+        if name:
+            raise ExerciseFailed(f"make_adamw changed the model's {name!r}: building an optimizer must leave the model as it is")
+        if optimizer is None:
+            raise ExerciseFailed(f"{what} returned None: did you forget to `return` the optimizer?")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ExerciseFailed(f"{what} returned {a_type(optimizer)}, expected a torch.optim.AdamW")
+        if not isinstance(optimizer, torch.optim.Adam):
+            raise ExerciseFailed(f"{what} returned a {_kind(optimizer)}, expected a torch.optim.AdamW")
+        if not all(group.get("decoupled_weight_decay", False) for group in optimizer.param_groups):
+            raise ExerciseFailed(f"{what} returned a torch.optim.Adam, whose weight decay is coupled (added to the gradient): use torch.optim.AdamW")
+        names = {id(p): name for name, p in model.named_parameters()}
+        seen: dict[int, dict] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise ExerciseFailed(f"{what}: the optimizer holds a tensor of shape {tuple(p.shape)} that is not a parameter of the model")
+                if id(p) in seen:
+                    raise ExerciseFailed(f"{what}: {names[id(p)]!r} is in the optimizer twice: each parameter must be in exactly one group")
+                seen[id(p)] = group
+        for name, p in model.named_parameters():
+            if not p.requires_grad and id(p) in seen:
+                raise ExerciseFailed(f"{what}: {name!r} is frozen (requires_grad=False) but is in the optimizer: leave frozen parameters out")
+            if p.requires_grad and id(p) not in seen:
+                raise ExerciseFailed(f"{what}: {name!r} (shape {tuple(p.shape)}) is not in the optimizer: every trainable parameter must be in one group")
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        for name, p in trainable:
+            if not _close(float(seen[id(p)]["lr"]), lr, 1e-9):
+                raise ExerciseFailed(f"{what}: {name!r} has lr {float(seen[id(p)]['lr']):g}, expected {lr:g}")
+        decayed = {name for name, p in trainable if float(seen[id(p)]["weight_decay"]) != 0.0}
+        should = {name for name, p in trainable if p.ndim >= 2}
+        if decayed != should:
+            if not decayed:
+                raise ExerciseFailed(f"{what}: no parameter has weight decay; the ones with 2 or more dimensions should have weight_decay={weight_decay:g}")
+            if decayed == {name for name, _ in trainable}:
+                raise ExerciseFailed(f"{what}: every parameter is decayed; the ones with fewer than 2 dimensions "
+                                     f"({', '.join(sorted(n for n, p in trainable if p.ndim < 2))}) should have weight_decay=0")
+            by_name = [{n for n, _ in trainable if "bias" not in n}, {n for n, _ in trainable if n.endswith("weight")}]
+            wrong = sorted(decayed - should) or sorted(should - decayed)
+            shape = tuple(dict(trainable)[wrong[0]].shape)
+            if decayed in by_name:
+                raise ExerciseFailed(f"{what}: {wrong[0]!r} has shape {shape} but is decayed: decide by the number of dimensions (p.ndim), not by the name")
+            if wrong[0] in decayed:
+                raise ExerciseFailed(f"{what}: {wrong[0]!r} has shape {shape}, fewer than 2 dimensions, but is decayed")
+            raise ExerciseFailed(f"{what}: {wrong[0]!r} has shape {shape}, 2 or more dimensions, but has no weight decay")
+        for name, p in trainable:
+            group = seen[id(p)]
+            if p.ndim >= 2 and not _close(float(group["weight_decay"]), weight_decay, 1e-9):
+                raise ExerciseFailed(f"{what}: {name!r} has weight_decay {float(group['weight_decay']):g}, expected {weight_decay:g}")
+            for key, default in ADAMW_DEFAULTS.items():
+                if key in group and group[key] != default and not (key == "betas" and tuple(map(float, group[key])) == default):
+                    raise ExerciseFailed(f"{what}: {name!r} has {key}={group[key]!r}, expected AdamW's default {default!r}")
+
+
+# Exercise 3: warmup_cosine
+
+def _target_lr(step: int, base: float, warmup_steps: int, total_steps: int, start_factor: float, min_lr: float) -> float:
+    if step < warmup_steps:
+        return base * (start_factor + (1 - start_factor) * step / warmup_steps)
+    progress = (step - warmup_steps) / (total_steps - warmup_steps)
+    return min_lr + (base - min_lr) * (1 + math.cos(math.pi * progress)) / 2
+
+
+WARMUP_CASES = [  # (learning rates of the param groups, optimizer, warmup_steps, total_steps, start_factor, min_lr)
+    ((0.3, 0.06), "SGD", 3, 11, 0.2, 1e-3),
+    ((0.02,), "AdamW", 1, 6, 0.5, 2e-4),
+]
+
+
+def _lr_optimizer(lrs: tuple[float, ...], kind: str) -> torch.optim.Optimizer:
+    groups = [{"params": [nn.Parameter(torch.zeros(2))], "lr": lr} for lr in lrs]
+    return torch.optim.SGD(groups, lr=lrs[0], momentum=0.9) if kind == "SGD" else torch.optim.AdamW(groups, lr=lrs[0])
+
+
+@exercise("warmup_cosine")
+@_one_thread
+def check_warmup_cosine(fn) -> None:
+    for lrs, kind, warmup, total, start, min_lr in WARMUP_CASES:
+        optimizer = _lr_optimizer(lrs, kind)
+        args = f"{warmup}, {total}, {start:g}, {min_lr:g}"
+        what = f"warmup_cosine({kind} with {'lrs ' + ', '.join(map(str, lrs)) if len(lrs) > 1 else f'lr {lrs[0]}'}, {args})"
+        scheduler = call(fn, optimizer, warmup, total, start, min_lr, shown=f"optimizer, {args}")
         if scheduler is None:
             raise ExerciseFailed(f"{what} returned None: did you forget to `return` the scheduler?")
-        if not isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
-            raise ExerciseFailed(f"{what} returned a {_kind(scheduler)}, expected a torch.optim.lr_scheduler.OneCycleLR")
-        if scheduler.optimizer is not optimizer:
-            raise ExerciseFailed(f"{what}: the scheduler drives another optimizer; pass the one you were given")
-        total = epochs * steps_per_epoch
+        if scheduler is optimizer or isinstance(scheduler, torch.optim.Optimizer):
+            raise ExerciseFailed(f"{what} returned an optimizer ({_kind(scheduler)}), expected a learning-rate scheduler")
+        if not isinstance(scheduler, LRScheduler):
+            raise ExerciseFailed(f"{what} returned {a_type(scheduler)}, expected a learning-rate scheduler (torch.optim.lr_scheduler)")
+        if getattr(scheduler, "optimizer", None) is not optimizer:
+            raise ExerciseFailed(f"{what}: the scheduler drives another optimizer than the one it was given")
+        got = []
+        for step in range(total + 1):
+            got.append([float(group["lr"]) for group in optimizer.param_groups])
+            if step == total:
+                break
+            optimizer.step()  # no gradients, so nothing moves; it keeps the order warning quiet
+            try:
+                scheduler.step()
+            except Exception as err:  # noqa: BLE001 -- raised by the learner's scheduler
+                raise ExerciseFailed(f"{what}: its step() number {step + 1} raised {type(err).__name__}: {str(err).splitlines()[0][:150]}") from None
+        for g, base in enumerate(lrs):
+            curve = [lr[g] for lr in got]
+            expected = [_target_lr(s, base, warmup, total, start, min_lr) for s in range(total + 1)]
+            label = f"param group {g}'s lr" if len(lrs) > 1 else "the lr"
+            own = f" (its own lr is {base:g})" if len(lrs) > 1 else ""
+            if g > 0 and all(_close(a, b, 1e-6) for a, b in zip(curve, [lr[0] for lr in got])):
+                raise ExerciseFailed(f"{what}: param group {g} follows group 0's learning rates: each group must follow its own lr ({base:g}), scaled")
+            if not _close(curve[0], expected[0], 1e-6):
+                raise ExerciseFailed(f"{what}: at step 0 {label} is {curve[0]:.6g}, expected start_factor x lr = {expected[0]:.6g}{own}")
+            peak = max(range(total + 1), key=lambda s: (curve[s], -s))
+            if peak != warmup and not _close(curve[peak], curve[warmup], 1e-6):
+                raise ExerciseFailed(f"{what}: {label} peaks at step {peak}, expected at step warmup_steps = {warmup}")
+            if not _close(curve[warmup], base, 1e-6):
+                raise ExerciseFailed(f"{what}: at step warmup_steps = {warmup} {label} is {curve[warmup]:.6g}, expected the full lr {base:g}")
+            if not _close(curve[total], min_lr, 1e-6):
+                raise ExerciseFailed(f"{what}: at step total_steps = {total} {label} is {curve[total]:.6g}, expected min_lr = {min_lr:g}")
+            for step, (a, b) in enumerate(zip(curve, expected)):
+                if not _close(a, b, 1e-6):
+                    phase = "warm-up" if step < warmup else "cosine"
+                    raise ExerciseFailed(f"{what}: at step {step} ({phase}) {label} is {a:.6g}, expected {b:.6g}")
+
+
+# Exercise 4: accumulation_step
+
+class _Net(nn.Module):
+    """A frozen layer (its .grad stays None), two trained ones and a scalar registered directly on the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(7, 7).requires_grad_(False)
+        self.hidden = nn.Linear(7, 9)
+        self.out = nn.Linear(9, 12)
+        self.scale = nn.Parameter(torch.tensor(0.8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(self.frozen(x)))) * self.scale
+
+
+ACCUMULATION_CASES = [  # (micro-batch sizes, max_norm, seed): unclipped first, so that a scale error shows
+    ([6, 1, 3], 50.0, 31),
+    ([5, 5, 5, 2], 0.15, 32),
+]
+STALE = 0.25  # what the check leaves in .grad before the call
+
+
+def _micro_batches(sizes: list[int], seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 7, generator=g), torch.randint(0, 12, (n,), generator=g)) for n in sizes]
+
+
+def _clipped(grads: dict[str, torch.Tensor], max_norm: float) -> dict[str, torch.Tensor]:
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+    scale = min(1.0, max_norm / (float(norm) + 1e-6))
+    return {k: g * scale for k, g in grads.items()}
+
+
+def _gradient(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    F.cross_entropy(model(inputs), targets).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _same_grads(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor]) -> bool:
+    return all(a.get(k) is not None and a[k].shape == v.shape and torch.allclose(a[k], v, atol=1e-5, rtol=1e-4) for k, v in b.items())
+
+
+def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.detach().flatten().double() for g in grads.values()])
+
+
+def _parallel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """True when two sets of gradients point the same way (one is a positive multiple of the other)."""
+    x, y = _flat(a), _flat(b)
+    return x.shape == y.shape and bool(F.cosine_similarity(x, y, dim=0) > 1 - 1e-6)
+
+
+@exercise("accumulation_step")
+@_one_thread
+def check_accumulation_step(fn) -> None:
+    for sizes, max_norm, seed in ACCUMULATION_CASES:
+        torch.manual_seed(seed)
+        model = _Net()
+        micro_batches = _micro_batches(sizes, seed)
+        k, total = len(sizes), sum(sizes)
+        what = f"accumulation_step(micro-batches of {', '.join(map(str, sizes))}, max_norm={max_norm:g})"
+
+        probe = copy.deepcopy(model)
+        full = _gradient(probe, torch.cat([x for x, _ in micro_batches]), torch.cat([y for _, y in micro_batches]))
+        parts = [_gradient(probe, x, y) for x, y in micro_batches]
+        full_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in full.values()])))
+        expected_grads = _clipped(full, max_norm)
+        reference = copy.deepcopy(model)
+        ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        accumulation_step(reference, micro_batches, F.cross_entropy, ref_optimizer, max_norm)
+
+        def combine(weights: list[float], extra: float = 0.0) -> dict[str, torch.Tensor]:
+            return {name: sum(w * part[name] for w, part in zip(weights, parts)) + extra for name in full}
+
+        variants = [
+            (_clipped(combine([1 / k] * k), max_norm),
+             f"each micro-batch's loss was divided by the number of micro-batches ({k}); with sizes {sizes}, "
+             f"weight each by its share of the samples, len(targets) / {total}"),
+            (_clipped(combine([1.0] * k), max_norm),
+             f"the micro-batch losses were added up unweighted: weight each by its share of the samples, len(targets) / {total}"),
+            (_clipped({n: g + STALE for n, g in full.items()}, max_norm),
+             "the gradients left in .grad from before counted too: clear them once, before the first micro-batch"),
+            (_clipped(combine([0.0] * (k - 1) + [sizes[-1] / total]), max_norm),
+             "only the last micro-batch's gradient reached the step: clear the gradients once, before the loop, not inside it"),
+            (_clipped(combine([0.0] * (k - 1) + [1 / k]), max_norm),
+             "only the last micro-batch's gradient reached the step: clear the gradients once, before the loop, not inside it"),
+            (_clipped(combine([0.0] * (k - 1) + [1.0]), max_norm),
+             "only the last micro-batch's gradient reached the step: clear the gradients once, before the loop, not inside it"),
+        ]
+        if full_norm > max_norm:
+            variants.append((full, "the step used the unclipped gradient: clip with clip_grad_norm_ after the last backward() and before step()"))
+
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.full_like(p, STALE)  # gradients left over from an earlier step
+        at_step: list[dict] = []
+        handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: at_step.append(_param_grads(model)))
+        given = [(x.clone(), y.clone()) for x, y in micro_batches]
         try:
-            got = _lrs(scheduler, optimizer, total)
-        except ValueError as err:
-            if "Tried to step" in str(err):
-                raise ExerciseFailed(
-                    f"{what}: the schedule ended before {total} batches; OneCycleLR is stepped once per batch, "
-                    "so it must last epochs * steps_per_epoch steps"
-                ) from None
-            raise
-        ref_opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.5, momentum=0.9)
-        expected = _lrs(make_onecycle(ref_opt, max_lr, epochs, steps_per_epoch), ref_opt, total)
-        if not math.isclose(max(got), max(expected), rel_tol=1e-5):
-            raise ExerciseFailed(f"{what}: the learning rate peaks at {max(got):.6g}, expected {max(expected):.6g}; pass max_lr={max_lr:g} to OneCycleLR")
-        for step, (a, b) in enumerate(zip(got, expected)):
-            if not math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-12):
-                raise ExerciseFailed(f"{what}: at batch {step} the learning rate is {a:.6g}, expected {b:.6g}; keep OneCycleLR's other defaults")
+            got = call(fn, model, given, F.cross_entropy, optimizer, max_norm, shown=f"model, {k} micro-batches of {', '.join(map(str, sizes))}, F.cross_entropy, optimizer, {max_norm:g}")
+        finally:
+            handle.remove()
+        for (x, y), (gx, gy) in zip(micro_batches, given):
+            expect_unchanged(x, gx, what="accumulation_step (its micro-batches)")
+            expect_unchanged(y, gy, what="accumulation_step (its micro-batches)")
+        if not at_step:
+            raise ExerciseFailed(f"{what}: optimizer.step() was never called: the step is part of the exercise")
+        if len(at_step) > 1:
+            raise ExerciseFailed(f"{what}: optimizer.step() was called {len(at_step)} times: call it once, after the last micro-batch")
+        grads = {name: g for name, g in at_step[0].items() if name in full}
+        missing = [name for name, g in grads.items() if g is None]
+        if missing:
+            raise ExerciseFailed(f"{what}: {missing[0]!r} had no gradient at the step: call backward() on every micro-batch's loss")
+        if not _same_grads(grads, expected_grads):
+            for variant, message in variants:
+                if _same_grads(grads, variant) and not _same_grads(variant, expected_grads):
+                    raise ExerciseFailed(f"{what}: {message}")
+            if _parallel(grads, combine([1.0] * k)) and not _parallel(expected_grads, combine([1.0] * k)):
+                raise ExerciseFailed(f"{what}: every micro-batch's loss was given the same weight, whatever its size; with sizes {sizes}, "
+                                     f"weight each by its share of the samples, len(targets) / {total}")
+            if _parallel(grads, full):
+                ratio = float(_flat(grads).norm() / _flat(expected_grads).norm())
+                raise ExerciseFailed(f"{what}: the gradient at the step points the right way, but is {ratio:.3g} times as long as it should be")
+            name = next(n for n in full if not torch.allclose(grads[n], expected_grads[n], atol=1e-5, rtol=1e-4))
+            expect_tensor(grads[name], expected_grads[name], what=f"{what}: the gradient of {name!r} at the step", atol=1e-5, rtol=1e-4)
+        if isinstance(got, torch.Tensor):
+            raise ExerciseFailed(f"{what} returned a tensor, expected a Python float: call .item() on the norm")
+        if got is None:
+            raise ExerciseFailed(f"{what} returned None: return the total gradient norm from before clipping")
+        norm = _expect_float(got, f"the value {what} returned")
+        if full_norm > max_norm and _close(norm, max_norm, 1e-4):
+            raise ExerciseFailed(f"{what} returned {norm:.6g}, the norm after clipping: return the total norm from before clipping "
+                                 "(clip_grad_norm_ returns it)")
+        if not _close(norm, full_norm, 1e-4):
+            raise ExerciseFailed(f"{what} returned {norm:.6g}, expected the total gradient norm before clipping, {full_norm:.6g}")
+        name = _changed(_state(reference), _state(model))
+        if name:
+            expect_tensor(model.state_dict()[name], reference.state_dict()[name], what=f"{what}: {name!r} after the step", atol=1e-5, rtol=1e-4)
 
 
-@exercise("accuracy")
-def check_accuracy(fn) -> None:
-    # A square case first: argmax over the wrong dimension gives a silent, plausible number.
-    g = torch.Generator().manual_seed(5)
-    cases = [
-        (torch.randn(10, 10, generator=g), torch.randint(0, 10, (10,), generator=g)),
-        (torch.randn(7, 4, generator=g), torch.randint(0, 4, (7,), generator=g)),
+# Exercise 5: evaluate_model
+
+class _Scorer(nn.Module):
+    """A classifier with batch norm, dropout and 12 classes, whose classes 3 and 9 always tie."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.5))
+        self.head = nn.Linear(16, 12)
+        with torch.no_grad():
+            self.head.weight[9] = self.head.weight[3]
+            self.head.bias[9] = self.head.bias[3]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _scoring_problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(41)
+    model = _Scorer()
+    with torch.no_grad():
+        for _ in range(3):  # running statistics away from their initial values, so eval mode computes something else
+            model(torch.randn(16, 5) * 2 + 0.5)
+    g = torch.Generator().manual_seed(42)
+    inputs = torch.randn(11, 5, generator=g)
+    model.eval()
+    with torch.no_grad():
+        predicted = model(inputs).argmax(dim=1)
+    targets = (predicted + 1 + torch.randint(0, 11, (11,), generator=g)) % 12   # every prediction wrong ...
+    right = torch.tensor([0, 2, 5, 9, 10])
+    targets[right] = predicted[right]                                              # ... but these: 2, 1 and 2 per batch of 4, 4, 3
+    tied = (predicted == 3).nonzero().flatten()
+    targets[tied[-2:]] = 9               # a tie at the top: argmax picks 3, so these are wrong
+    return model, inputs, targets
+
+
+EVALUATE_CASES = [  # (modes, batch_size): "train", "eval", or train with the batch-norm layer frozen in eval
+    ("train", 4),        # batches of 4, 4 and 3
+    ("eval", 5),         # batches of 5, 5 and 1
+    ("frozen norm", 4),
+]
+
+
+def _set_mode(model: nn.Module, mode: str) -> None:
+    model.train(mode != "eval")
+    if mode == "frozen norm":
+        model.body[1].eval()
+
+
+def _evaluate_variants(model: nn.Module, loader: DataLoader) -> tuple[list, list]:
+    """Loss and accuracy values of the typical wrong answers, each with its diagnosis."""
+    batches = []
+    with torch.no_grad():
+        for x, y in loader:
+            batches.append((model(x), y))
+    count = sum(len(y) for _, y in batches)
+    padded = len(loader) * loader.batch_size
+    loss_sum = sum(F.cross_entropy(o, y).item() * len(y) for o, y in batches)
+    correct = sum((o.argmax(1) == y).sum().item() for o, y in batches)
+    tie_correct = sum((o.gather(1, y[:, None]).squeeze(1) == o.max(1).values).sum().item() for o, y in batches)
+    sizes = ", ".join(str(len(y)) for _, y in batches)
+    loss = [
+        (sum(F.cross_entropy(o, y).item() for o, y in batches) / len(batches),
+         f"the loss is the mean of the batch means, but the batches hold {sizes} samples: weight each batch's loss by its size"),
+        (loss_sum / padded, f"the loss was divided by len(loader) x batch_size = {padded}, but the last batch is smaller: there are {count} samples"),
+        (loss_sum, "the loss is a sum over the samples: divide by their number"),
     ]
-    cases[0][1][:6] = cases[0][0][:6].argmax(dim=1)  # make 6 of 10 right, so the answers are easy to tell apart
-    for logits, targets in cases:
-        what = f"accuracy(tensor of shape {tuple(logits.shape)}, tensor of shape {tuple(targets.shape)})"
-        expected = accuracy(logits, targets)
-        got = call(fn, logits.clone(), targets.clone(), hints={"could not infer output dtype": "a comparison gives a bool tensor: call .float() before .mean()"})
-        value = _expect_float(got, what)
-        n_correct = int((logits.argmax(dim=1) == targets).sum())
-        if value == n_correct and n_correct not in (0, 1):
-            raise ExerciseFailed(f"{what} returned {value:g}, the number of correct predictions: divide by the number of targets")
-        if math.isclose(value, 100 * expected, abs_tol=1e-4) and expected > 0:
-            raise ExerciseFailed(f"{what} returned {value:g}, a percentage: return a fraction between 0 and 1")
-        if logits.shape[0] == logits.shape[1] and math.isclose(value, (logits.argmax(dim=0) == targets).float().mean().item(), abs_tol=1e-6):
-            raise ExerciseFailed("argmax over dim=0 picks a sample for each class; the classes are dim=1 (logits are (N, C))")
-        if not math.isclose(value, expected, abs_tol=1e-6):
-            raise ExerciseFailed(f"{what}: expected {expected:.6g}, got {value:.6g}")
+    accuracy = [
+        (sum((o.argmax(1) == y).float().mean().item() for o, y in batches) / len(batches),
+         f"the accuracy is the mean of the per-batch accuracies, but the batches hold {sizes} samples: count correct predictions over all samples"),
+        (correct / padded, f"the accuracy was divided by len(loader) x batch_size = {padded}, but the last batch is smaller: there are {count} samples"),
+        (tie_correct / count, "a sample counted as right whenever its target's logit equals the largest one; on a tie the "
+                              "prediction is the first of the tied classes (what argmax returns)"),
+        (100 * correct / count, "the accuracy is a percentage: return a fraction between 0 and 1"),
+    ]
+    return loss, accuracy
 
 
-def _probe(model: nn.Module) -> list[tuple[str, bool]]:
-    """Record, for every forward pass, whether dropout was active and whether the output required grad."""
-    seen = []
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.register_forward_hook(lambda m, i, o: seen.append(("dropout training", m.training)))
-    model.register_forward_hook(lambda m, i, o: seen.append(("output requires grad", o.requires_grad)))
-    return seen
+def _mode_message(before: dict[str, bool], after: dict[str, bool], modules: dict[str, nn.Module]) -> str | None:
+    if after == before:
+        return None
+    if not any(after.values()):
+        return "the model was left in eval mode: put every module back in the mode it had before the call"
+    if all(after.values()) and not any(before.values()):
+        return "the model was left in train mode, but the caller had it in eval mode: restore the mode it had, do not assume train"
+    name = next(n for n in before if before[n] != after[n])
+    label = f"{name!r} ({type(modules[name]).__name__})" if name else "the model itself"
+    was, now = ("train", "eval") if before[name] else ("eval", "train")
+    if all(after.values()):
+        return (f"{label} was in eval mode before the call (the caller froze it) and is in train mode after: "
+                "restore each module's own mode, since model.train(flag) sets every submodule alike")
+    return f"{label} was in {was} mode before the call and is in {now} mode after: leave every module in the mode it had"
 
 
 @exercise("evaluate_model")
+@_one_thread
 def check_evaluate_model(fn) -> None:
-    model = _net(3, p_drop=0.5)
-    model.train()  # as it is after training: the function must switch to eval mode itself
-    inputs, targets = _batch(10, 4)
-    loader = DataLoader(TensorDataset(inputs, targets), batch_size=4)  # batches of 4, 4 and 2
-    expected = evaluate_model(copy.deepcopy(model), loader, F.cross_entropy)
-    model.train()
-    seen = _probe(model)
-    got = call(fn, model, loader, F.cross_entropy, shown="model, loader of batches 4, 4 and 2, F.cross_entropy")
-    if ("dropout training", True) in seen:
-        raise ExerciseFailed("the model was still in train mode, so dropout was active: call model.eval() before the loop")
-    if ("output requires grad", True) in seen:
-        raise ExerciseFailed("the outputs required grad, so autograd recorded a graph: run the loop inside `with torch.no_grad():`")
-    if not isinstance(got, dict):
-        raise ExerciseFailed(f"evaluate_model returned a {_kind(got)}, expected a dict with keys 'loss' and 'accuracy'")
-    if set(got) != {"loss", "accuracy"}:
-        raise ExerciseFailed(f"evaluate_model returned a dict with keys {sorted(got)}, expected ['accuracy', 'loss']")
-    loss = _expect_float(got["loss"], "the 'loss' entry", "call .item() on each batch's loss")
-    acc = _expect_float(got["accuracy"], "the 'accuracy' entry", "call .item(), or count with Python ints")
-    with torch.no_grad():
+    model, inputs, targets = _scoring_problem()
+    modules = dict(model.named_modules())
+    for mode, batch_size in EVALUATE_CASES:
+        loader = DataLoader(TensorDataset(inputs, targets), batch_size=batch_size)
+        sizes = ", ".join(str(len(y)) for _, y in loader)
+        what = f"evaluate_model(model in {mode} mode, loader of batches {sizes}, F.cross_entropy)"
+        _set_mode(model, mode)
+        before_modes = {name: m.training for name, m in modules.items()}
+        before = _state(model)
+        reference_model = copy.deepcopy(model)
+        expected = evaluate_model(reference_model, loader, F.cross_entropy)
+        seen: list[tuple[str, bool]] = []
+        handles = [m.register_forward_hook(lambda m, i, o: seen.append(("dropout active", m.training)))
+                   for m in model.modules() if isinstance(m, (nn.Dropout, nn.BatchNorm1d)) and m.training]
+        handles.append(model.register_forward_hook(lambda m, i, o: seen.append(("output requires grad", isinstance(o, torch.Tensor) and o.requires_grad))))
+        try:
+            got = call(fn, model, loader, F.cross_entropy, shown=f"model, loader of batches {sizes}, F.cross_entropy")
+        finally:
+            for handle in handles:
+                handle.remove()
+        if ("dropout active", True) in seen:
+            raise ExerciseFailed(f"{what}: the model ran in train mode (dropout active, batch norm using batch statistics): call model.eval() before the loop")
+        if ("output requires grad", True) in seen:
+            raise ExerciseFailed(f"{what}: the outputs required grad, so autograd recorded a graph: run the loop under torch.no_grad()")
+        name = _changed(before, _state(model))
+        if name:
+            raise ExerciseFailed(f"{what} changed the model's {name!r}: evaluating must change no parameter or buffer")
+        message = _mode_message(before_modes, {n: m.training for n, m in modules.items()}, modules)
+        if message:
+            raise ExerciseFailed(f"{what}: {message}")
+        if not isinstance(got, dict):
+            raise ExerciseFailed(f"{what} returned {'None' if got is None else a_type(got)}, expected a dict with keys 'loss' and 'accuracy'")
+        if set(got) != {"loss", "accuracy"}:
+            raise ExerciseFailed(f"{what} returned a dict with keys {sorted(map(str, got))}, expected ['accuracy', 'loss']")
+        loss = _expect_float(got["loss"], f"the 'loss' entry of {what}")
+        acc = _expect_float(got["accuracy"], f"the 'accuracy' entry of {what}")
         model.eval()
-        batches = [(model(x), y) for x, y in loader]
-    mean_of_means = sum(F.cross_entropy(o, y).item() for o, y in batches) / len(batches)
-    acc_of_means = sum((o.argmax(1) == y).float().mean().item() for o, y in batches) / len(batches)
-    if math.isclose(loss, mean_of_means, rel_tol=1e-5) and not math.isclose(loss, expected["loss"], rel_tol=1e-5):
-        raise ExerciseFailed(
-            "the loss is the mean of the batch means, but the last batch is smaller: "
-            "weight each batch's loss by its size and divide by the number of samples"
-        )
-    if math.isclose(acc, acc_of_means, rel_tol=1e-5) and not math.isclose(acc, expected["accuracy"], rel_tol=1e-5):
-        raise ExerciseFailed("the accuracy is the mean of per-batch accuracies, but the last batch is smaller: count correct predictions over all samples")
-    if not math.isclose(loss, expected["loss"], rel_tol=1e-5):
-        raise ExerciseFailed(f"the 'loss' entry: expected {expected['loss']:.6g} (mean per sample), got {loss:.6g}")
-    if not math.isclose(acc, expected["accuracy"], rel_tol=1e-5):
-        raise ExerciseFailed(f"the 'accuracy' entry: expected {expected['accuracy']:.6g}, got {acc:.6g}")
+        loss_variants, accuracy_variants = _evaluate_variants(model, loader)
+        _diagnose(loss, expected["loss"], [(v, f"{what}: {m}") for v, m in loss_variants],
+                  f"{what}: the 'loss' entry is {loss:.6g}, expected {expected['loss']:.6g} (the mean loss per sample)")
+        _diagnose(acc, expected["accuracy"], [(v, f"{what}: {m}") for v, m in accuracy_variants],
+                  f"{what}: the 'accuracy' entry is {acc:.6g}, expected {expected['accuracy']:.6g}")
 
 
-@exercise("accumulate_gradients")
-def check_accumulate_gradients(fn) -> None:
-    n_steps = 4
-    micro_batches = [_batch(5, 10 + i) for i in range(n_steps)]
-    model = _net(6)
-    big = copy.deepcopy(model)
-    inputs, targets = torch.cat([x for x, _ in micro_batches]), torch.cat([y for _, y in micro_batches])
-    F.cross_entropy(big(inputs), targets).backward()  # the gradient of one batch of 20
-    expected = {name: p.grad.clone() for name, p in big.named_parameters()}
-    last = copy.deepcopy(model)
-    F.cross_entropy(last(micro_batches[-1][0]), micro_batches[-1][1]).backward()
-    last_only = {name: p.grad.clone() for name, p in last.named_parameters()}
+# Exercise 6: train_resumable
 
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 0.25)  # gradients left over from an earlier step
-    before = _params(model)
-    call(fn, model, [(x.clone(), y.clone()) for x, y in micro_batches], F.cross_entropy,
-         shown=f"model, {n_steps} micro-batches of 5, F.cross_entropy")
-    if not _same(_params(model), before, atol=0.0):
-        raise ExerciseFailed("the weights changed: accumulate_gradients only computes gradients; the optimizer steps later")
-    got = {name: p.grad for name, p in model.named_parameters()}
-    missing = [name for name, g in got.items() if g is None]
-    if missing:
-        raise ExerciseFailed(f"parameter {missing[0]!r} has no .grad: call loss.backward() for every micro-batch")
-
-    if all(torch.equal(g, torch.full_like(g, 0.25)) for g in got.values()):
-        raise ExerciseFailed("the old gradients were left untouched: clear them with model.zero_grad(), then call loss.backward() for every micro-batch")
-
-    def close(factor: float, reference: dict, offset: float = 0.0) -> bool:
-        return all(torch.allclose(got[k], factor * reference[k] + offset, atol=1e-5, rtol=1e-4) for k in got)
-
-    if close(1, expected, 0.25) or close(n_steps, expected, 0.25):
-        raise ExerciseFailed("old gradients were still in .grad: call model.zero_grad() once, before the loop")
-    if close(n_steps, expected):
-        raise ExerciseFailed(
-            f"the gradients are {n_steps}x too large: divide each micro-batch's loss by the number of micro-batches ({n_steps}) before backward()"
-        )
-    if close(1, last_only) or close(1 / n_steps, last_only):
-        raise ExerciseFailed("only the last micro-batch's gradient is left: zero the gradients once, before the loop, not inside it")
-    for name, value in got.items():
-        expect_tensor(value, expected[name], what=f"the .grad of {name!r}", atol=1e-5, rtol=1e-4)
+class _Crash(BaseException):
+    """The check's crash in the middle of an epoch (a BaseException, so that `except Exception` lets it through, as a kill would)."""
 
 
-@exercise("early_stop")
-def check_early_stop(fn) -> None:
-    cases = [
-        ([], 2),
-        ([1.0, 0.8, 0.7], 2),
-        ([1.0, 0.5, 0.6, 0.7], 2),           # best 2 epochs ago: stop (exactly `patience`)
-        ([1.0, 0.5, 0.6], 2),                 # best 1 epoch ago: keep going
-        ([1.0, 0.5, 0.6, 0.55, 0.58], 3),     # worse than the best for 3 epochs, though 0.55 < 0.6
-        ([1.0, 0.5, 0.5, 0.5], 2),            # equal is not better: the best is still the first 0.5
-        ([0.9, 0.8, 0.85, 0.7, 0.75], 2),
-        ([0.9, 0.8, 0.85, 0.7, 0.75, 0.72], 2),
-    ]
-    for losses, patience in cases:
-        what = f"early_stop({losses}, patience={patience})"
-        expected = early_stop(list(losses), patience)
-        got = call(fn, list(losses), patience, hints={"empty sequence": "with no losses yet, return False"})
-        if isinstance(got, torch.Tensor):
-            raise ExerciseFailed(f"{what} is a tensor, expected a Python bool: call .item() on it")
-        if got is not None and not isinstance(got, bool) and type(got).__name__ in ("bool_", "bool"):
-            raise ExerciseFailed(f"{what} is a {_kind(got)}, expected a Python bool: wrap it in bool(...)")
-        if not isinstance(got, bool):
-            expect_equal(got, expected, what=what)
-        if got == expected:
-            continue
-        if losses == [1.0, 0.5, 0.6, 0.7] and got is False:
-            raise ExerciseFailed(f"{what} should be True: the best loss is exactly {patience} epochs old, and stopping starts at `patience`, not after it")
-        if losses == [1.0, 0.5, 0.6, 0.55, 0.58]:
-            raise ExerciseFailed(f"{what} should be True: compare with the best loss so far, not with the previous epoch")
-        if losses == [1.0, 0.5, 0.5, 0.5]:
-            raise ExerciseFailed(f"{what} should be True: a loss equal to the best is not an improvement")
-        expect_equal(got, expected, what=what)
+class _CrashingLoader(DataLoader):
+    """A DataLoader that raises _Crash after serving `crash_at` batches in all (None: never)."""
+
+    def __init__(self, *args, crash_at: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.crash_at = crash_at
+        self.served = 0
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            if self.crash_at is not None and self.served == self.crash_at:
+                raise _Crash()
+            self.served += 1
+            yield batch
+
+
+RESUME_EPOCHS, RESUME_BATCH = 4, 5
+RESUME_SAMPLES = 23  # batches of 5, 5, 5, 5 and 3
+RESUME_BATCHES = -(-RESUME_SAMPLES // RESUME_BATCH)
+
+
+def _resume_run(seed: int, crash_at: int | None = None):
+    """Model (with dropout), loader shuffling with its own generator, SGD with momentum, a milestone schedule: all from one seed."""
+    g = torch.Generator().manual_seed(61)
+    data = TensorDataset(torch.randn(RESUME_SAMPLES, 6, generator=g), torch.randint(0, 12, (RESUME_SAMPLES,), generator=g))
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 12))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[1, 3], gamma=0.5)
+    shuffle = torch.Generator().manual_seed(seed + 1)
+    loader = _CrashingLoader(data, batch_size=RESUME_BATCH, shuffle=True, generator=shuffle, crash_at=crash_at)
+    return model, loader, optimizer, scheduler, shuffle
+
+
+class _Snapshot:
+    """The training state at the model's forward call number `at` (a forward pre-hook), and the number of calls."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler, at: int):
+        self.model, self.optimizer, self.scheduler, self.at = model, optimizer, scheduler, at
+        self.calls, self.state = 0, None
+        self.handle = model.register_forward_pre_hook(self.hook)
+
+    def hook(self, module: nn.Module, args: tuple) -> None:
+        if self.calls == self.at:
+            momentum = [self.optimizer.state.get(p, {}).get("momentum_buffer") for p in self.model.parameters()]
+            self.state = {
+                "weights": _state(self.model),
+                "momentum": [m.clone() if isinstance(m, torch.Tensor) else None for m in momentum],
+                "epochs": self.scheduler.last_epoch,
+                "lr": [group["lr"] for group in self.optimizer.param_groups],
+                "batch": args[0].detach().clone() if args and isinstance(args[0], torch.Tensor) else None,
+                "rng": torch.get_rng_state(),
+            }
+        self.calls += 1
+
+
+@contextlib.contextmanager
+def _spy_on_torch_load(calls: list) -> Iterator[None]:
+    """Record the weights_only argument of every torch.load call made through the torch module."""
+    original = torch.load
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("weights_only", "default"))
+        return original(*args, **kwargs)
+
+    torch.load = spy
+    try:
+        yield
+    finally:
+        torch.load = original
+
+
+def _expect_losses(got, what: str) -> list[float]:
+    if got is None:
+        raise ExerciseFailed(f"{what} returned None: return the list of every epoch's training loss")
+    if not isinstance(got, (list, tuple)):
+        raise ExerciseFailed(f"{what} returned {a_type(got)}, expected a list of floats, one per epoch")
+    if any(isinstance(v, torch.Tensor) for v in got):
+        raise ExerciseFailed(f"{what} returned tensors in its list: return Python floats (train_one_epoch gives them)")
+    if not all(isinstance(v, (float, int)) and not isinstance(v, bool) for v in got):
+        raise ExerciseFailed(f"{what} returned a list holding {a_type(next(v for v in got if not isinstance(v, (float, int))))}, expected floats")
+    return [float(v) for v in got]
+
+
+def _load_checkpoint_file(path: Path, when: str) -> None:
+    if not path.exists():
+        raise ExerciseFailed(f"{when}, there is no checkpoint at `path`: save one there after every epoch with torch.save")
+    try:
+        checkpoint = torch.load(path, weights_only=True)
+    except Exception as err:  # noqa: BLE001 -- the learner's file
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(err).strip().splitlines()] or [""]
+        reason = next((line for line in lines if "Unsupported global" in line), lines[0]).split(". ")[0][:140]
+        raise ExerciseFailed(f"{when}, the checkpoint does not load with torch.load(weights_only=True) ({type(err).__name__}: "
+                             f"{reason}): save state_dicts, tensors and plain Python values, not objects") from None
+    rng = checkpoint.get("rng") if isinstance(checkpoint, dict) else None
+    if isinstance(rng, dict) and {"python", "numpy", "torch"} <= set(rng):
+        raise ExerciseFailed("the checkpoint has the layout of course_utils' save_checkpoint: this exercise is that function; "
+                             "write the dict yourself and save it with torch.save")
+
+
+RESUME_SHOWN = f"model, loader, F.cross_entropy, optimizer, scheduler, shuffle, {RESUME_EPOCHS}, path"
+
+
+@exercise("train_resumable")
+@_one_thread
+def check_train_resumable(fn) -> None:
+    seed, crash_epoch = 5, 3
+    model, loader, optimizer, scheduler, _ = _resume_run(seed)  # the run as it goes when nothing interrupts it
+    snap = _Snapshot(model, optimizer, scheduler, at=(crash_epoch - 1) * RESUME_BATCHES)
+    expected_losses = []
+    for _ in range(RESUME_EPOCHS):
+        expected_losses.append(train_one_epoch(model, loader, F.cross_entropy, optimizer))
+        scheduler.step()
+    snap.handle.remove()
+    resumed_at, expected_weights, expected_lr = snap.state, _state(model), optimizer.param_groups[0]["lr"]
+
+    loads: list = []
+    with tempfile.TemporaryDirectory() as folder, _spy_on_torch_load(loads):
+        # 1. From scratch, with no checkpoint: the same numbers as plain training.
+        path = Path(folder) / "whole.pt"
+        model, loader, optimizer, scheduler, shuffle = _resume_run(seed)
+        what = f"train_resumable(..., epochs={RESUME_EPOCHS}) with no checkpoint yet"
+        losses = _expect_losses(call(fn, model, loader, F.cross_entropy, optimizer, scheduler, shuffle, RESUME_EPOCHS, path, shown=RESUME_SHOWN), what)
+        if len(losses) != RESUME_EPOCHS:
+            raise ExerciseFailed(f"{what} returned {len(losses)} losses, expected {RESUME_EPOCHS}, one per epoch")
+        if not _close(optimizer.param_groups[0]["lr"], expected_lr, 1e-9):
+            raise ExerciseFailed(f"{what}: the learning rate at the end is {optimizer.param_groups[0]['lr']:.6g}, expected {expected_lr:.6g}: "
+                                 "step the scheduler once per epoch")
+        for epoch, (a, b) in enumerate(zip(losses, expected_losses), start=1):
+            if not _close(a, b, 1e-6):
+                raise ExerciseFailed(f"{what}: epoch {epoch}'s loss is {a:.6g}, expected {b:.6g}, as plain training gives "
+                                     "(one train_one_epoch and one scheduler.step() per epoch)")
+        name = _changed(expected_weights, _state(model))
+        if name:
+            raise ExerciseFailed(f"{what}: {name!r} at the end differs from plain training's, though the losses agree")
+        _load_checkpoint_file(path, f"after {what}")
+
+        # 2. The same run, crashed in the middle of epoch 3.
+        path = Path(folder) / "run.pt"
+        model, loader, optimizer, scheduler, shuffle = _resume_run(seed, crash_at=(crash_epoch - 1) * RESUME_BATCHES + 2)
+        try:
+            call(fn, model, loader, F.cross_entropy, optimizer, scheduler, shuffle, RESUME_EPOCHS, path, shown=RESUME_SHOWN)
+        except _Crash:
+            pass
+        else:
+            raise ExerciseFailed(f"the loader raised an exception in the middle of epoch {crash_epoch}, and train_resumable returned "
+                                 "as if nothing happened: let exceptions through")
+        _load_checkpoint_file(path, f"after {crash_epoch - 1} finished epochs and a crash in epoch {crash_epoch}")
+
+        # 3. Resumed with objects built from another seed: other weights, RNG and shuffle generator.
+        model, loader, optimizer, scheduler, shuffle = _resume_run(seed + 100)
+        snap = _Snapshot(model, optimizer, scheduler, at=0)
+        what = f"train_resumable resumed after a crash in epoch {crash_epoch} of {RESUME_EPOCHS}"
+        try:
+            got = call(fn, model, loader, F.cross_entropy, optimizer, scheduler, shuffle, RESUME_EPOCHS, path, shown=RESUME_SHOWN)
+        finally:
+            snap.handle.remove()
+    left = (RESUME_EPOCHS - crash_epoch + 1) * RESUME_BATCHES
+    if snap.calls != left:
+        done = f"{snap.calls / RESUME_BATCHES:g} epochs" if snap.calls % RESUME_BATCHES == 0 else "not a whole number of epochs"
+        raise ExerciseFailed(f"{what}: it trained {snap.calls} batches ({done}), expected {left}: epochs {crash_epoch} to {RESUME_EPOCHS}, "
+                             "starting after the last epoch the checkpoint holds")
+    state = snap.state
+    if _changed(resumed_at["weights"], state["weights"]):
+        raise ExerciseFailed(f"{what}: when training resumed, the weights were not those the uninterrupted run had after epoch {crash_epoch - 1}: "
+                             "save model.state_dict() after every epoch and load it with model.load_state_dict")
+    if any(m is None for m in state["momentum"]) or any(not torch.equal(a, b) for a, b in zip(resumed_at["momentum"], state["momentum"])):
+        raise ExerciseFailed(f"{what}: when training resumed, the optimizer's momentum buffers were not those the uninterrupted run had "
+                             f"after epoch {crash_epoch - 1}: save optimizer.state_dict() and load it with optimizer.load_state_dict")
+    if state["epochs"] != resumed_at["epochs"]:
+        times = f"{state['epochs']} time{'' if state['epochs'] == 1 else 's'}"
+        raise ExerciseFailed(f"{what}: when training resumed, the scheduler had been stepped {times}, expected {resumed_at['epochs']} "
+                             "(once per finished epoch): save scheduler.state_dict() after its step and load it with scheduler.load_state_dict")
+    if state["lr"] != resumed_at["lr"]:
+        raise ExerciseFailed(f"{what}: when training resumed, the learning rate was {state['lr'][0]:.6g}, expected {resumed_at['lr'][0]:.6g}")
+    if state["batch"] is None or not torch.equal(state["batch"], resumed_at["batch"]):
+        raise ExerciseFailed(f"{what}: the first batch after resuming is not the one the uninterrupted run drew; the loader shuffles with "
+                             "`shuffle`: save shuffle.get_state() and restore it with shuffle.set_state()")
+    if not torch.equal(state["rng"], resumed_at["rng"]):
+        raise ExerciseFailed(f"{what}: when training resumed, torch's global random state, which dropout draws from, was not where the uninterrupted run had it: "
+                             "save torch.get_rng_state() and restore it with torch.set_rng_state()")
+    losses = _expect_losses(got, what)
+    if len(losses) == RESUME_EPOCHS - crash_epoch + 1:
+        raise ExerciseFailed(f"{what} returned only the losses of the epochs after resuming: the curve must hold all {RESUME_EPOCHS} "
+                             "epochs, so keep the losses so far in the checkpoint")
+    if len(losses) != RESUME_EPOCHS:
+        raise ExerciseFailed(f"{what} returned {len(losses)} losses, expected {RESUME_EPOCHS}, one per epoch")
+    for epoch, (a, b) in enumerate(zip(losses, expected_losses), start=1):
+        if not _close(a, b, 1e-6):
+            raise ExerciseFailed(f"{what}: epoch {epoch}'s loss is {a:.6g}, expected {b:.6g}, the uninterrupted run's")
+    name = _changed(expected_weights, _state(model))
+    if name:
+        raise ExerciseFailed(f"{what}: {name!r} at the end is not the uninterrupted run's (torch.equal)")
+    if False in loads:
+        raise ExerciseFailed("torch.load(..., weights_only=False) can run any code a checkpoint file holds: load with weights_only=True")

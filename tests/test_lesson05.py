@@ -1,247 +1,1014 @@
-"""Lesson 05's checks against the reference solutions and the wrong answers learners write, and its accuracy claim."""
+"""Lesson 05's checks against the reference solutions, correct alternatives and the wrong answers learners write, and its accuracy claim."""
 
+import math
+import os
+import warnings
 from pathlib import Path
 
 import nbformat
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LinearLR, LRScheduler, SequentialLR
+from torch.utils.data import DataLoader, random_split
 
 from course_utils import lesson05 as L
-from course_utils.tooling.checks import ExerciseFailed
 from course_utils.data import classification_datasets
 from course_utils.reproducibility import seed_everything
-from course_utils.training import fit
-from lesson_contract import assert_names_fault, contract_tests
+from course_utils.tooling.checks import ExerciseFailed
+from course_utils.training import evaluate, fit, load_checkpoint, save_checkpoint, train_one_epoch
+from lesson_contract import assert_names_fault, assert_passes, contract_tests
 
 PAIRS = [
-    (L.check_train_step, L.train_step),
-    (L.check_make_onecycle, L.make_onecycle),
-    (L.check_accuracy, L.accuracy),
+    (L.check_sequence_loss, L.sequence_loss),
+    (L.check_make_adamw, L.make_adamw),
+    (L.check_warmup_cosine, L.warmup_cosine),
+    (L.check_accumulation_step, L.accumulation_step),
     (L.check_evaluate_model, L.evaluate_model),
-    (L.check_accumulate_gradients, L.accumulate_gradients),
-    (L.check_early_stop, L.early_stop),
+    (L.check_train_resumable, L.train_resumable),
 ]
 
 (test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line, test_hostile_answers_are_the_learners_fault,
  test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS, max_seconds=1.0)
 
 
-# Typical wrong answers, one function each.
+# Exercise 1: sequence_loss
 
-def step_returns_tensor(model, batch, loss_fn, optimizer):
-    optimizer.zero_grad()
-    loss = loss_fn(model(batch[0]), batch[1])
+def loss_permuted(logits, targets, pad_index):
+    return F.cross_entropy(logits.permute(0, 2, 1), targets, ignore_index=pad_index)
+
+
+def loss_masked(logits, targets, pad_index):
+    real = targets != pad_index
+    return F.cross_entropy(logits[real], targets[real])
+
+
+def loss_weighted_by_hand(logits, targets, pad_index):
+    real = targets != pad_index
+    safe = targets.masked_fill(~real, 0)  # any valid class; these positions are weighted 0 below
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), safe.reshape(-1), reduction="none")
+    return (per_token * real.flatten()).sum() / real.sum()
+
+
+def loss_log_softmax_gather(logits, targets, pad_index):
+    real = targets != pad_index
+    log_p = logits.log_softmax(dim=-1)
+    nll = -log_p.gather(-1, torch.where(real, targets, 0).unsqueeze(-1)).squeeze(-1)
+    return nll[real].mean()
+
+
+def loss_counts_padding(logits, targets, pad_index):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def loss_pad_is_zero(logits, targets, pad_index):
+    real = targets != 0
+    return F.cross_entropy(logits[real], targets[real])
+
+
+def loss_per_sequence(logits, targets, pad_index):
+    means = []
+    for row_logits, row_targets in zip(logits, targets):
+        real = row_targets != pad_index
+        if real.any():
+            means.append(F.cross_entropy(row_logits[real], row_targets[real]))
+    return torch.stack(means).mean()
+
+
+def loss_summed(logits, targets, pad_index):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=pad_index, reduction="sum")
+
+
+def loss_over_all_positions(logits, targets, pad_index):
+    real = targets != pad_index
+    per_token = F.cross_entropy(logits.flatten(0, 1), targets.masked_fill(~real, 0).flatten(), reduction="none")
+    return (per_token * real.flatten()).sum() / real.numel()
+
+
+def loss_item(logits, targets, pad_index):
+    return L.sequence_loss(logits, targets, pad_index).item()
+
+
+def loss_classes_in_dim_2(logits, targets, pad_index):
+    return F.cross_entropy(logits, targets, ignore_index=pad_index)
+
+
+def loss_view(logits, targets, pad_index):
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1), ignore_index=pad_index)
+
+
+def loss_softmax_first(logits, targets, pad_index):
+    return F.cross_entropy(logits.softmax(dim=-1).flatten(0, 1), targets.flatten(), ignore_index=pad_index)
+
+
+def loss_overwrites_targets(logits, targets, pad_index):
+    targets[targets == pad_index] = -100
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def loss_detached(logits, targets, pad_index):
+    return L.sequence_loss(logits.detach(), targets, pad_index)
+
+
+def loss_per_token(logits, targets, pad_index):
+    return F.cross_entropy(logits.permute(0, 2, 1), targets, ignore_index=pad_index, reduction="none")
+
+
+def loss_calls_backward(logits, targets, pad_index):
+    loss = L.sequence_loss(logits, targets, pad_index)
     loss.backward()
-    optimizer.step()
     return loss
 
 
-def step_without_zero_grad(model, batch, loss_fn, optimizer):
-    loss = loss_fn(model(batch[0]), batch[1])
-    loss.backward()
-    optimizer.step()
-    return loss.item()
+# Exercise 2: make_adamw
+
+def adamw_named(model, lr, weight_decay):
+    no_decay, decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return torch.optim.AdamW([{"params": no_decay, "weight_decay": 0.0}, {"params": decay}], lr=lr, weight_decay=weight_decay)
 
 
-def step_before_backward(model, batch, loss_fn, optimizer):
+def adamw_lr_per_group(model, lr, weight_decay):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW([
+        {"params": [p for p in trainable if len(p.shape) >= 2], "lr": lr, "weight_decay": weight_decay},
+        {"params": [p for p in trainable if len(p.shape) < 2], "lr": lr, "weight_decay": 0},
+    ])
+
+
+def adam_decoupled(model, lr, weight_decay):
+    groups = {True: [], False: []}
+    for p in model.parameters():
+        if p.requires_grad:
+            groups[p.ndim > 1].append(p)
+    return torch.optim.Adam([{"params": groups[True], "weight_decay": weight_decay}, {"params": groups[False], "weight_decay": 0.0}],
+                            lr=lr, decoupled_weight_decay=True)
+
+
+def adamw_generators(model, lr, weight_decay):
+    return torch.optim.AdamW([
+        {"params": (p for p in model.parameters() if p.requires_grad and p.ndim >= 2)},
+        {"params": (p for p in model.parameters() if p.requires_grad and p.ndim < 2), "weight_decay": 0.0},
+    ], lr=lr, weight_decay=weight_decay)
+
+
+def adamw_all_decayed(model, lr, weight_decay):
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+
+
+def adamw_by_name(model, lr, weight_decay):
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return torch.optim.AdamW([
+        {"params": [p for n, p in named if "bias" not in n], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if "bias" in n], "weight_decay": 0.0},
+    ], lr=lr)
+
+
+def adamw_with_frozen(model, lr, weight_decay):
+    params = list(model.parameters())
+    return torch.optim.AdamW([
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ], lr=lr)
+
+
+def adam_coupled(model, lr, weight_decay):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.Adam([{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
+                             {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}], lr=lr)
+
+
+def adamw_no_decay(model, lr, weight_decay):
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+
+
+def adamw_modules_only(model, lr, weight_decay):
+    decay, no_decay = [], []
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Embedding)) and module.weight.requires_grad and all(p is not module.weight for p in decay):
+            decay.append(module.weight)
+        if getattr(module, "bias", None) is not None and module.bias.requires_grad:
+            no_decay.append(module.bias)
+        if isinstance(module, (nn.LayerNorm, nn.BatchNorm1d)):
+            no_decay.append(module.weight)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+
+
+def adamw_freezes_the_rest(model, lr, weight_decay):
+    for p in model.parameters():
+        if p.ndim < 2:
+            p.requires_grad_(False)
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+
+
+def adamw_default_lr(model, lr, weight_decay):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
+                              {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}])
+
+
+def adamw_other_eps(model, lr, weight_decay):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
+                              {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}], lr=lr, eps=1e-6)
+
+
+def adamw_more_than_two_dims(model, lr, weight_decay):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for p in trainable if p.ndim > 2], "weight_decay": weight_decay},
+                              {"params": [p for p in trainable if p.ndim <= 2], "weight_decay": 0.0}], lr=lr)
+
+
+def adamw_fixed_decay(model, lr, weight_decay):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": 0.01},
+                              {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}], lr=lr)
+
+
+def adamw_tied_twice(model, lr, weight_decay):
+    decay = [m.weight for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Embedding)) and m.weight.requires_grad]
+    decay_ids = {id(p) for p in decay}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in decay_ids]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about the duplicate, which is the point
+        return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}], lr=lr)
+
+
+def sgd_groups(model, lr, weight_decay):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD([{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
+                            {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}], lr=lr)
+
+
+# Exercise 3: warmup_cosine
+
+def warmup_lambdas(optimizer, warmup_steps, total_steps, start_factor, min_lr):
+    def factor_for(base):
+        def factor(step):
+            if step < warmup_steps:
+                return start_factor + (1 - start_factor) * step / warmup_steps
+            progress = (step - warmup_steps) / (total_steps - warmup_steps)
+            return (min_lr + (base - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))) / base
+        return factor
+    return LambdaLR(optimizer, [factor_for(group["lr"]) for group in optimizer.param_groups])
+
+
+class WarmupCosine(LRScheduler):  # a scheduler class of one's own, closed form
+    def __init__(self, optimizer, warmup_steps, total_steps, start_factor, min_lr):
+        self.warmup_steps, self.total_steps, self.start_factor, self.min_lr = warmup_steps, total_steps, start_factor, min_lr
+        super().__init__(optimizer)
+
+    def get_lr(self):
+        t = self.last_epoch
+        if t < self.warmup_steps:
+            return [base * (self.start_factor + (1 - self.start_factor) * t / self.warmup_steps) for base in self.base_lrs]
+        progress = (t - self.warmup_steps) / (self.total_steps - self.warmup_steps)
+        return [self.min_lr + (base - self.min_lr) * (1 + math.cos(math.pi * progress)) / 2 for base in self.base_lrs]
+
+
+def warmup_keywords(optimizer, warmup_steps, total_steps, start_factor, min_lr):
+    phases = [LinearLR(optimizer, start_factor=start_factor, end_factor=1.0, total_iters=warmup_steps),
+              CosineAnnealingLR(optimizer, T_max=total_steps - warmup_steps, eta_min=min_lr)]
+    return SequentialLR(optimizer, schedulers=phases, milestones=[warmup_steps])
+
+
+def warmup_cosine_too_long(optimizer, warmup_steps, total_steps, start_factor, min_lr):
+    return SequentialLR(optimizer, [LinearLR(optimizer, start_factor, total_iters=warmup_steps),
+                                    CosineAnnealingLR(optimizer, T_max=total_steps, eta_min=min_lr)], milestones=[warmup_steps])
+
+
+def warmup_no_eta_min(optimizer, warmup_steps, total_steps, start_factor, min_lr):
+    return SequentialLR(optimizer, [LinearLR(optimizer, start_factor, total_iters=warmup_steps),
+                                    CosineAnnealingLR(optimizer, T_max=total_steps - warmup_steps)], milestones=[warmup_steps])
+
+
+def warmup_default_start(optimizer, warmup_steps, total_steps, start_factor, min_lr):
+    return SequentialLR(optimizer, [LinearLR(optimizer, total_iters=warmup_steps),
+                                    CosineAnnealingLR(optimizer, T_max=total_steps - warmup_steps, eta_min=min_lr)], milestones=[warmup_steps])
+
+
+def warmup_default_length(optimizer, warmup_steps, total_steps, start_factor, min_lr):
+    return SequentialLR(optimizer, [LinearLR(optimizer, start_factor),
+                                    CosineAnnealingLR(optimizer, T_max=total_steps - warmup_steps, eta_min=min_lr)], milestones=[warmup_steps])
+
+
+def cosine_only(optimizer, warmup_steps, total_steps, start_factor, min_lr):
+    return CosineAnnealingLR(optimizer, T_max=total_steps, eta_min=min_lr)
+
+
+def warmup_shared_lambda(optimizer, warmup_steps, total_steps, start_factor, min_lr):
+    base = optimizer.param_groups[0]["lr"]
+
+    def set_all(step):
+        if step < warmup_steps:
+            return start_factor + (1 - start_factor) * step / warmup_steps
+        return (min_lr + (base - min_lr) * (1 + math.cos(math.pi * (step - warmup_steps) / (total_steps - warmup_steps))) / 2) / base
+
+    return LambdaLR(optimizer, set_all)
+
+
+class WarmupOneLr(WarmupCosine):  # writes group 0's learning rate into every group
+    def get_lr(self):
+        first = super().get_lr()[0]
+        return [first for _ in self.base_lrs]
+
+
+def warmup_milestone_late(optimizer, warmup_steps, total_steps, start_factor, min_lr):
+    return SequentialLR(optimizer, [LinearLR(optimizer, start_factor, total_iters=warmup_steps),
+                                    CosineAnnealingLR(optimizer, T_max=total_steps - warmup_steps, eta_min=min_lr)],
+                        milestones=[warmup_steps + 1])
+
+
+def warmup_parts_list(optimizer, warmup_steps, total_steps, start_factor, min_lr):
+    return [LinearLR(optimizer, start_factor, total_iters=warmup_steps), CosineAnnealingLR(optimizer, T_max=total_steps - warmup_steps, eta_min=min_lr)]
+
+
+def one_cycle(optimizer, warmup_steps, total_steps, start_factor, min_lr):
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=optimizer.param_groups[0]["lr"], total_steps=total_steps + 1,
+                                               pct_start=warmup_steps / total_steps, anneal_strategy="cos")
+
+
+def warmup_other_optimizer(optimizer, warmup_steps, total_steps, start_factor, min_lr):
+    own = torch.optim.SGD([{"params": group["params"], "lr": group["lr"]} for group in optimizer.param_groups])
+    return L.warmup_cosine(own, warmup_steps, total_steps, start_factor, min_lr)
+
+
+# Exercise 4: accumulation_step
+
+def accumulate_as_one_batch(model, micro_batches, loss_fn, optimizer, max_norm):
     optimizer.zero_grad()
-    loss = loss_fn(model(batch[0]), batch[1])
+    inputs = torch.cat([x for x, _ in micro_batches])
+    targets = torch.cat([y for _, y in micro_batches])
+    loss_fn(model(inputs), targets).backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
-    loss.backward()
-    return loss.item()
+    return float(norm)
 
 
-def zero_grad_after_backward(model, batch, loss_fn, optimizer):
-    loss = loss_fn(model(batch[0]), batch[1])
-    loss.backward()
+def accumulate_sums_then_divides(model, micro_batches, loss_fn, optimizer, max_norm):
+    model.zero_grad()
+    count = 0
+    for x, y in micro_batches:
+        (loss_fn(model(x), y) * len(y)).backward()
+        count += len(y)
+    params = [p for p in model.parameters() if p.grad is not None]
+    for p in params:
+        p.grad /= count
+    norm = nn.utils.clip_grad_norm_(params, max_norm)
+    optimizer.step()
+    return norm.item()
+
+
+def accumulate_clips_by_hand(model, micro_batches, loss_fn, optimizer, max_norm):
     optimizer.zero_grad()
+    total = sum(y.numel() for _, y in micro_batches)
+    for x, y in micro_batches:
+        loss = loss_fn(model(x), y) * y.numel() / total
+        loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
+    if norm > max_norm:
+        for g in grads:
+            g.mul_(max_norm / norm)
     optimizer.step()
-    return loss.item()
+    return norm.item()
 
 
-def step_returns_loss_after_step(model, batch, loss_fn, optimizer):
-    L.train_step(model, batch, loss_fn, optimizer)
-    with torch.no_grad():
-        return loss_fn(model(batch[0]), batch[1]).item()
+def _weighted_backward(model, micro_batches, loss_fn, optimizer):
+    """The right accumulation, for the wrong answers whose mistake comes after it."""
+    optimizer.zero_grad()
+    total = sum(len(y) for _, y in micro_batches)
+    for x, y in micro_batches:
+        (loss_fn(model(x), y) * len(y) / total).backward()
 
 
-def step_returns_nothing(model, batch, loss_fn, optimizer):
-    L.train_step(model, batch, loss_fn, optimizer)
+def accumulate_divided_by_k(model, micro_batches, loss_fn, optimizer, max_norm):
+    optimizer.zero_grad()
+    for x, y in micro_batches:
+        (loss_fn(model(x), y) / len(micro_batches)).backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return norm.item()
+
+
+def accumulate_divided_by_four(model, micro_batches, loss_fn, optimizer, max_norm):
+    optimizer.zero_grad()
+    for x, y in micro_batches:
+        (loss_fn(model(x), y) / 4).backward()  # the demo's k, hard-coded
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return norm.item()
+
+
+def accumulate_summed_losses(model, micro_batches, loss_fn, optimizer, max_norm):
+    optimizer.zero_grad()
+    for x, y in micro_batches:
+        (loss_fn(model(x), y) * len(y)).backward()  # a sum over samples, never divided by their number
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return norm.item()
+
+
+def accumulate_undivided(model, micro_batches, loss_fn, optimizer, max_norm):
+    optimizer.zero_grad()
+    for x, y in micro_batches:
+        loss_fn(model(x), y).backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return norm.item()
+
+
+def accumulate_without_zero_grad(model, micro_batches, loss_fn, optimizer, max_norm):
+    total = sum(len(y) for _, y in micro_batches)
+    for x, y in micro_batches:
+        (loss_fn(model(x), y) * len(y) / total).backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return norm.item()
+
+
+def accumulate_zeroing_inside(model, micro_batches, loss_fn, optimizer, max_norm):
+    total = sum(len(y) for _, y in micro_batches)
+    for x, y in micro_batches:
+        optimizer.zero_grad()
+        (loss_fn(model(x), y) * len(y) / total).backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return norm.item()
+
+
+def accumulate_without_clipping(model, micro_batches, loss_fn, optimizer, max_norm):
+    _weighted_backward(model, micro_batches, loss_fn, optimizer)
+    optimizer.step()
+    return nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
+
+
+def accumulate_clips_after_step(model, micro_batches, loss_fn, optimizer, max_norm):
+    _weighted_backward(model, micro_batches, loss_fn, optimizer)
+    optimizer.step()
+    return nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+
+
+def accumulate_steps_each(model, micro_batches, loss_fn, optimizer, max_norm):
+    optimizer.zero_grad()
+    total = sum(len(y) for _, y in micro_batches)
+    norm = 0.0
+    for x, y in micro_batches:
+        (loss_fn(model(x), y) * len(y) / total).backward()
+        norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+        optimizer.step()
+    return norm
+
+
+def accumulate_never_steps(model, micro_batches, loss_fn, optimizer, max_norm):
+    _weighted_backward(model, micro_batches, loss_fn, optimizer)
+    return nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+
+
+def accumulate_returns_tensor(model, micro_batches, loss_fn, optimizer, max_norm):
+    _weighted_backward(model, micro_batches, loss_fn, optimizer)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return norm
+
+
+def accumulate_returns_clipped_norm(model, micro_batches, loss_fn, optimizer, max_norm):
+    _weighted_backward(model, micro_batches, loss_fn, optimizer)
+    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
+
+
+def accumulate_returns_nothing(model, micro_batches, loss_fn, optimizer, max_norm):
+    L.accumulation_step(model, micro_batches, loss_fn, optimizer, max_norm)
+
+
+def accumulate_clips_each(model, micro_batches, loss_fn, optimizer, max_norm):
+    optimizer.zero_grad()
+    total = sum(len(y) for _, y in micro_batches)
+    norm = 0.0
+    for x, y in micro_batches:
+        (loss_fn(model(x), y) * len(y) / total).backward()
+        norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()  # clips the running sum every time
+    optimizer.step()
+    return norm
+
+
+def accumulate_clips_values(model, micro_batches, loss_fn, optimizer, max_norm):
+    _weighted_backward(model, micro_batches, loss_fn, optimizer)
+    norm = nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    nn.utils.clip_grad_value_(model.parameters(), max_norm)
+    optimizer.step()
+    return norm.item()
+
+
+def accumulate_grad_of_none(model, micro_batches, loss_fn, optimizer, max_norm):  # a manual norm that forgets frozen parameters
+    _weighted_backward(model, micro_batches, loss_fn, optimizer)
+    norm = sum(p.grad.pow(2).sum() for p in model.parameters()).sqrt()
+    return norm.item()
+
+
+# Exercise 5: evaluate_model
+
+def evaluate_inference_mode(model, loader, loss_fn):
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    logits, targets = [], []
+    with torch.inference_mode():
+        for x, y in loader:
+            logits.append(model(x))
+            targets.append(y)
+    for m, flag in flags:
+        m.training = flag
+    logits, targets = torch.cat(logits), torch.cat(targets)
+    return {"loss": loss_fn(logits, targets).item(), "accuracy": (logits.argmax(-1) == targets).float().mean().item()}
+
+
+def evaluate_tensor_sums(model, loader, loss_fn):
+    modes = [m.training for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            loss_sum, correct, count = torch.zeros(()), torch.zeros((), dtype=torch.long), 0
+            for x, y in loader:
+                out = model(x)
+                loss_sum += loss_fn(out, y) * y.numel()
+                correct += (out.max(dim=1).indices == y).sum()
+                count += y.numel()
+    finally:
+        for m, mode in zip(model.modules(), modes):
+            m.train(mode)  # parents first, so every child ends with its own flag
+    return {"loss": (loss_sum / count).item(), "accuracy": correct.item() / count}
+
+
+def evaluate_decorated(model, loader, loss_fn):
+    @torch.no_grad()
+    def scores():
+        out = [(model(x), y) for x, y in loader]
+        n = sum(len(y) for _, y in out)
+        return (sum(loss_fn(o, y).item() * len(y) for o, y in out) / n,
+                sum(int((o.argmax(1) == y).sum()) for o, y in out) / n)
+
+    before = {name: m.training for name, m in model.named_modules()}
+    model.eval()
+    loss, acc = scores()
+    for name, m in model.named_modules():
+        m.training = before[name]
+    return {"accuracy": acc, "loss": loss}
+
+
+def _score(model, loader, loss_fn):
+    loss_sum, correct, count = 0.0, 0, 0
+    for x, y in loader:
+        out = model(x)
+        loss_sum += loss_fn(out, y).item() * len(y)
+        correct += (out.argmax(1) == y).sum().item()
+        count += len(y)
+    return {"loss": loss_sum / count, "accuracy": correct / count}
+
+
+def _restored(body):
+    def answer(model, loader, loss_fn):
+        modes = {m: m.training for m in model.modules()}
+        model.eval()
+        with torch.no_grad():
+            result = body(model, loader, loss_fn)
+        for m, mode in modes.items():
+            m.training = mode
+        return result
+    answer.__name__ = body.__name__
+    return answer
 
 
 def evaluate_in_train_mode(model, loader, loss_fn):
     with torch.no_grad():
-        return _evaluate_body(model, loader, loss_fn)
+        return _score(model, loader, loss_fn)
 
 
 def evaluate_with_grad(model, loader, loss_fn):
+    modes = {m: m.training for m in model.modules()}
     model.eval()
-    return _evaluate_body(model, loader, loss_fn)
+    result = _score(model, loader, loss_fn)
+    for m, mode in modes.items():
+        m.training = mode
+    return result
 
 
-def _evaluate_body(model, loader, loss_fn):
-    total, correct, count = 0.0, 0, 0
-    for x, y in loader:
-        out = model(x)
-        total += loss_fn(out, y).item() * len(y)
-        correct += (out.argmax(1) == y).sum().item()
-        count += len(y)
-    return {"loss": total / count, "accuracy": correct / count}
-
-
+@_restored
 def evaluate_mean_of_batch_means(model, loader, loss_fn):
-    model.eval()
-    with torch.no_grad():
-        losses = [loss_fn(model(x), y).item() for x, y in loader]
-        correct = sum((model(x).argmax(1) == y).sum().item() for x, y in loader)
-    return {"loss": sum(losses) / len(losses), "accuracy": correct / len(loader.dataset)}
+    result = _score(model, loader, loss_fn)
+    result["loss"] = sum(loss_fn(model(x), y).item() for x, y in loader) / len(loader)
+    return result
 
 
+@_restored
 def evaluate_mean_of_batch_accuracies(model, loader, loss_fn):
-    result = L.evaluate_model(model, loader, loss_fn)
-    with torch.no_grad():
-        accs = [(model(x).argmax(1) == y).float().mean().item() for x, y in loader]
-    return {"loss": result["loss"], "accuracy": sum(accs) / len(accs)}
+    result = _score(model, loader, loss_fn)
+    result["accuracy"] = sum((model(x).argmax(1) == y).float().mean().item() for x, y in loader) / len(loader)
+    return result
 
 
-def evaluate_with_inference_mode(model, loader, loss_fn):  # a correct alternative
-    model.eval()
-    with torch.inference_mode():
-        return _evaluate_body(model, loader, loss_fn)
+@_restored
+def evaluate_full_batches(model, loader, loss_fn):
+    result = _score(model, loader, loss_fn)
+    n = len(loader.dataset)
+    padded = len(loader) * loader.batch_size
+    return {"loss": result["loss"] * n / padded, "accuracy": result["accuracy"] * n / padded}
 
 
+@_restored
+def evaluate_ties_right(model, loader, loss_fn):
+    result = _score(model, loader, loss_fn)
+    hits = sum((model(x).gather(1, y[:, None]).squeeze(1) == model(x).max(1).values).sum().item() for x, y in loader)
+    result["accuracy"] = hits / len(loader.dataset)
+    return result
+
+
+@_restored
+def evaluate_percent(model, loader, loss_fn):
+    result = _score(model, loader, loss_fn)
+    result["accuracy"] *= 100
+    return result
+
+
+@_restored
 def evaluate_tensor_values(model, loader, loss_fn):
-    result = L.evaluate_model(model, loader, loss_fn)
-    return {k: torch.tensor(v) for k, v in result.items()}
+    return {k: torch.tensor(v) for k, v in _score(model, loader, loss_fn).items()}
 
 
-def accumulate_undivided(model, micro_batches, loss_fn):
-    model.zero_grad()
-    for x, y in micro_batches:
-        loss_fn(model(x), y).backward()
+@_restored
+def evaluate_other_keys(model, loader, loss_fn):
+    result = _score(model, loader, loss_fn)
+    return {"val_loss": result["loss"], "val_accuracy": result["accuracy"]}
 
 
-def accumulate_without_zero_grad(model, micro_batches, loss_fn):
-    for x, y in micro_batches:
-        (loss_fn(model(x), y) / len(micro_batches)).backward()
-
-
-def accumulate_zeroing_inside(model, micro_batches, loss_fn):
-    for x, y in micro_batches:
-        model.zero_grad()
-        (loss_fn(model(x), y) / len(micro_batches)).backward()
-
-
-def accumulate_and_step(model, micro_batches, loss_fn):
-    L.accumulate_gradients(model, micro_batches, loss_fn)
+def evaluate_leaves_eval(model, loader, loss_fn):
+    model.eval()
     with torch.no_grad():
-        for p in model.parameters():
-            p -= 0.1 * p.grad
+        return _score(model, loader, loss_fn)
 
 
-def accumulate_as_one_batch(model, micro_batches, loss_fn):  # a correct alternative
-    model.zero_grad()
-    x, y = torch.cat([b[0] for b in micro_batches]), torch.cat([b[1] for b in micro_batches])
-    loss_fn(model(x), y).backward()
+def evaluate_back_to_train(model, loader, loss_fn):
+    model.eval()
+    with torch.no_grad():
+        result = _score(model, loader, loss_fn)
+    model.train()
+    return result
 
 
-def early_stop_strict(losses, patience):
-    return bool(losses) and len(losses) - 1 - losses.index(min(losses)) > patience
+def evaluate_one_flag(model, loader, loss_fn):
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        result = _score(model, loader, loss_fn)
+    model.train(was_training)
+    return result
 
 
-def early_stop_vs_previous(losses, patience):
-    recent = losses[-(patience + 1):]
-    return len(recent) == patience + 1 and all(b >= a for a, b in zip(recent, recent[1:]))
+def evaluate_count_as_int(model, loader, loss_fn):
+    result = _restored(_score)(model, loader, loss_fn)
+    return {"loss": result["loss"], "accuracy": round(result["accuracy"] * len(loader.dataset))}
 
 
-def early_stop_ties_improve(losses, patience):
-    if not losses:
-        return False
-    last_best = len(losses) - 1 - losses[::-1].index(min(losses))
-    return len(losses) - 1 - last_best >= patience
+# Exercise 6: train_resumable
+
+def resumable_own_loop(model, loader, loss_fn, optimizer, scheduler, shuffle, epochs, path):
+    history, start = [], 0
+    if os.path.exists(path):
+        saved = torch.load(path)
+        model.load_state_dict(saved["weights"])
+        optimizer.load_state_dict(saved["optim"])
+        scheduler.load_state_dict(saved["sched"])
+        torch.random.set_rng_state(saved["rng"]["cpu"])
+        shuffle.set_state(saved["rng"]["loader"])
+        history, start = list(saved["history"]), saved["epoch"]
+    for epoch in range(start, epochs):
+        model.train()
+        total, count = torch.zeros(()), 0
+        for x, y in loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            total += loss.detach() * len(y)
+            count += len(y)
+        history.append((total / count).item())
+        scheduler.step()
+        temporary = Path(path).with_suffix(".tmp")  # written whole, then renamed: a crash never leaves half a file
+        torch.save({"weights": model.state_dict(), "optim": optimizer.state_dict(), "sched": scheduler.state_dict(),
+                    "rng": {"cpu": torch.random.get_rng_state(), "loader": shuffle.get_state()},
+                    "history": history, "epoch": epoch + 1}, temporary)
+        os.replace(temporary, path)
+    return history
 
 
-def early_stop_numpy(losses, patience):
-    import numpy as np
+def resumable_nested(model, loader, loss_fn, optimizer, scheduler, shuffle, epochs, path):
+    objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+    losses = []
+    if path.is_file():
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        for key, obj in objects.items():
+            obj.load_state_dict(checkpoint["states"][key])
+        torch.set_rng_state(checkpoint["rng"][0])
+        shuffle.set_state(checkpoint["rng"][1])
+        losses = checkpoint["losses"]
+    for _ in range(len(losses), epochs):
+        losses.append(train_one_epoch(model, loader, loss_fn, optimizer))
+        scheduler.step()
+        torch.save({"states": {key: obj.state_dict() for key, obj in objects.items()},
+                    "rng": [torch.get_rng_state(), shuffle.get_state()], "losses": losses}, path)
+    return losses
 
-    return np.bool_(L.early_stop(losses, patience))
+
+def resumable_epoch_counter(model, loader, loss_fn, optimizer, scheduler, shuffle, epochs, path):
+    done, losses = 0, []
+    if path.exists():
+        ck = torch.load(path, weights_only=True)
+        model.load_state_dict(ck["model"])
+        optimizer.load_state_dict(ck["optimizer"])
+        scheduler.load_state_dict(ck["scheduler"])
+        torch.set_rng_state(ck["torch"])
+        shuffle.set_state(ck["generator"])
+        done, losses = ck["epoch"], ck["losses"]
+    while done < epochs:
+        losses = losses + [train_one_epoch(model, loader, loss_fn, optimizer)]
+        scheduler.step()
+        done += 1
+        torch.save(dict(model=model.state_dict(), optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
+                        torch=torch.get_rng_state(), generator=shuffle.get_state(), epoch=done, losses=losses), path)
+    return losses
 
 
-def early_stop_empty_crashes(losses, patience):
-    return len(losses) - 1 - losses.index(min(losses)) >= patience
+def _resumable(save=("model", "optimizer", "scheduler", "torch", "shuffle"), *, keep_losses=True, extra_epochs=False,
+               save_every_epoch=True, step_scheduler=True, save_before_step=False, weights_only=True):
+    """A train_resumable that gets one thing wrong, chosen by the arguments."""
+    def answer(model, loader, loss_fn, optimizer, scheduler, shuffle, epochs, path):
+        losses, done = [], 0
+        if path.exists():
+            ck = torch.load(path, weights_only=weights_only)
+            "model" in save and model.load_state_dict(ck["model"])
+            "optimizer" in save and optimizer.load_state_dict(ck["optimizer"])
+            "scheduler" in save and scheduler.load_state_dict(ck["scheduler"])
+            "torch" in save and torch.set_rng_state(ck["torch"])
+            "shuffle" in save and shuffle.set_state(ck["shuffle"])
+            done = ck["epoch"]
+            losses = ck["losses"] if keep_losses else []
+        for epoch in range(0 if extra_epochs else done, epochs):
+            losses.append(train_one_epoch(model, loader, loss_fn, optimizer))
+            if save_before_step and save_every_epoch:
+                _save(path, model, optimizer, scheduler, shuffle, epoch + 1, losses)
+            if step_scheduler:
+                scheduler.step()
+            if save_every_epoch and not save_before_step:
+                _save(path, model, optimizer, scheduler, shuffle, epoch + 1, losses)
+        if not save_every_epoch:
+            _save(path, model, optimizer, scheduler, shuffle, epochs, losses)
+        return losses
+    return answer
+
+
+def _save(path, model, optimizer, scheduler, shuffle, epoch, losses):
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "torch": torch.get_rng_state(), "shuffle": shuffle.get_state(), "epoch": epoch, "losses": losses}, path)
+
+
+def resumable_saves_objects(model, loader, loss_fn, optimizer, scheduler, shuffle, epochs, path):
+    losses = []
+    if path.exists():
+        ck = torch.load(path, weights_only=False)
+        model.load_state_dict(ck["model"].state_dict())
+        optimizer.load_state_dict(ck["optimizer"].state_dict())
+        losses = ck["losses"]
+    while len(losses) < epochs:
+        losses.append(train_one_epoch(model, loader, loss_fn, optimizer))
+        scheduler.step()
+        torch.save({"model": model, "optimizer": optimizer, "losses": losses}, path)
+    return losses
+
+
+def resumable_with_course_helpers(model, loader, loss_fn, optimizer, scheduler, shuffle, epochs, path):
+    losses = []
+    if path.exists():
+        losses = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, generator=shuffle)["losses"]
+    while len(losses) < epochs:
+        losses.append(train_one_epoch(model, loader, loss_fn, optimizer))
+        scheduler.step()
+        save_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, epoch=len(losses), generator=shuffle, losses=losses)
+    return losses
+
+
+def resumable_saves_on_the_way_out(model, loader, loss_fn, optimizer, scheduler, shuffle, epochs, path):
+    losses = []
+    if path.exists():
+        ck = torch.load(path, weights_only=True)
+        model.load_state_dict(ck["model"])
+        optimizer.load_state_dict(ck["optimizer"])
+        scheduler.load_state_dict(ck["scheduler"])
+        torch.set_rng_state(ck["torch"])
+        shuffle.set_state(ck["shuffle"])
+        losses = ck["losses"]
+    try:
+        while len(losses) < epochs:
+            losses.append(train_one_epoch(model, loader, loss_fn, optimizer))
+            scheduler.step()
+    finally:  # saves also when a crash stops an epoch half-way: those weights belong to no finished epoch
+        _save(path, model, optimizer, scheduler, shuffle, len(losses), losses)
+    return losses
+
+
+def resumable_swallows_crashes(model, loader, loss_fn, optimizer, scheduler, shuffle, epochs, path):
+    try:
+        return L.train_resumable(model, loader, loss_fn, optimizer, scheduler, shuffle, epochs, path)
+    except BaseException:  # noqa: BLE001 -- the mistake under test
+        return []
+
+
+def resumable_returns_nothing(model, loader, loss_fn, optimizer, scheduler, shuffle, epochs, path):
+    L.train_resumable(model, loader, loss_fn, optimizer, scheduler, shuffle, epochs, path)
+
+
+def resumable_tensor_losses(model, loader, loss_fn, optimizer, scheduler, shuffle, epochs, path):
+    return [torch.tensor(v) for v in L.train_resumable(model, loader, loss_fn, optimizer, scheduler, shuffle, epochs, path)]
 
 
 OneCycle = torch.optim.lr_scheduler.OneCycleLR
 
-WRONG = [
-    (L.check_train_step, step_returns_tensor, "returned a tensor: return loss.item()"),
-    (L.check_train_step, step_without_zero_grad, "gradients accumulate across calls.*zero_grad"),
-    (L.check_train_step, step_before_backward, "did not change although gradients were computed"),
-    (L.check_train_step, zero_grad_after_backward, "no gradient was left.*not between backward and step"),
-    (L.check_train_step, step_returns_loss_after_step, "computed before the step"),
-    (L.check_train_step, step_returns_nothing, "is None"),
-    (L.check_make_onecycle, lambda opt, m, e, s: OneCycle(opt, max_lr=m, total_steps=e), "ended before .* once per batch"),
-    (L.check_make_onecycle, lambda opt, m, e, s: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=e * s), "expected a torch.optim.lr_scheduler.OneCycleLR"),
-    (L.check_make_onecycle, lambda opt, m, e, s: OneCycle(opt, max_lr=opt.param_groups[0]["lr"], epochs=e, steps_per_epoch=s), "peaks at .* max_lr=0.1"),
-    (L.check_make_onecycle, lambda opt, m, e, s: OneCycle(opt, max_lr=m, epochs=e, steps_per_epoch=s, pct_start=0.5), "at batch \\d+ the learning rate"),
-    (L.check_make_onecycle, lambda opt, m, e, s: None, "returned None"),
-    (L.check_make_onecycle, lambda opt, m, e, s: OneCycle(opt, max_lr=m, total_steps=e * s), None),  # a correct alternative
-    (L.check_accuracy, lambda lg, t: (lg.argmax(1) == t).float().mean(), "is a tensor.*item"),
-    (L.check_accuracy, lambda lg, t: (lg.argmax(1) == t).sum().item(), "number of correct predictions"),
-    (L.check_accuracy, lambda lg, t: 100 * (lg.argmax(1) == t).float().mean().item(), "percentage"),
-    (L.check_accuracy, lambda lg, t: (lg.argmax(0) == t).float().mean().item(), "dim=0 .* dim=1"),
-    (L.check_accuracy, lambda lg, t: (lg.argmax(1) == t).mean().item(), "raised RuntimeError.*call .float\\(\\) before .mean\\(\\)"),
-    (L.check_accuracy, lambda lg, t: (lg.argmax(-1) == t).sum().item() / len(t), None),  # a correct alternative
-    (L.check_evaluate_model, evaluate_in_train_mode, "train mode.*model.eval\\(\\)"),
-    (L.check_evaluate_model, evaluate_with_grad, "required grad.*torch.no_grad"),
-    (L.check_evaluate_model, evaluate_mean_of_batch_means, "mean of the batch means.*weight each batch"),
-    (L.check_evaluate_model, evaluate_mean_of_batch_accuracies, "per-batch accuracies"),
-    (L.check_evaluate_model, lambda m, ld, fn: tuple(L.evaluate_model(m, ld, fn).values()), "expected a dict"),
-    (L.check_evaluate_model, lambda m, ld, fn: {"val_loss": 0.0}, "keys"),
-    (L.check_evaluate_model, evaluate_tensor_values, "is a tensor.*item"),
-    (L.check_evaluate_model, evaluate_with_inference_mode, None),
-    (L.check_accumulate_gradients, accumulate_undivided, "4x too large.*divide"),
-    (L.check_accumulate_gradients, accumulate_without_zero_grad, "old gradients.*zero_grad"),
-    (L.check_accumulate_gradients, accumulate_zeroing_inside, "only the last micro-batch"),
-    (L.check_accumulate_gradients, accumulate_and_step, "the weights changed"),
-    (L.check_accumulate_gradients, lambda m, b, fn: None, "left untouched.*loss.backward"),
-    (L.check_accumulate_gradients, accumulate_as_one_batch, None),
-    (L.check_early_stop, early_stop_strict, "exactly 2 epochs old"),
-    (L.check_early_stop, early_stop_vs_previous, "best loss so far, not with the previous epoch"),
-    (L.check_early_stop, early_stop_ties_improve, "equal to the best is not an improvement"),
-    (L.check_early_stop, early_stop_numpy, "wrap it in bool"),
-    (L.check_early_stop, lambda losses, p: torch.tensor(L.early_stop(losses, p)), "is a tensor.*item"),
-    (L.check_early_stop, early_stop_empty_crashes, "raised ValueError.*with no losses yet, return False"),
+ALTERNATIVES = [
+    (L.check_sequence_loss, loss_permuted),
+    (L.check_sequence_loss, loss_masked),
+    (L.check_sequence_loss, loss_weighted_by_hand),
+    (L.check_sequence_loss, loss_log_softmax_gather),
+    (L.check_make_adamw, adamw_named),
+    (L.check_make_adamw, adamw_lr_per_group),
+    (L.check_make_adamw, adam_decoupled),
+    (L.check_make_adamw, adamw_generators),
+    (L.check_warmup_cosine, warmup_lambdas),
+    (L.check_warmup_cosine, WarmupCosine),
+    (L.check_warmup_cosine, warmup_keywords),
+    (L.check_accumulation_step, accumulate_as_one_batch),
+    (L.check_accumulation_step, accumulate_sums_then_divides),
+    (L.check_accumulation_step, accumulate_clips_by_hand),
+    (L.check_evaluate_model, evaluate_inference_mode),
+    (L.check_evaluate_model, evaluate_tensor_sums),
+    (L.check_evaluate_model, evaluate_decorated),
+    (L.check_train_resumable, resumable_own_loop),
+    (L.check_train_resumable, resumable_nested),
+    (L.check_train_resumable, resumable_epoch_counter),
 ]
 
 
-def step_passes_the_batch_as_input(model, batch, loss_fn, optimizer):
-    return loss_fn(model(batch), batch[1]).item()
+@pytest.mark.parametrize("check, answer", ALTERNATIVES, ids=[f"{c.exercise_name}-{a.__name__}" for c, a in ALTERNATIVES])
+def test_correct_alternatives_pass(check, answer):
+    assert_passes(check, answer)
+
+
+WRONG = [
+    (L.check_sequence_loss, loss_counts_padding, "padding positions were counted as tokens of class 7"),
+    (L.check_sequence_loss, loss_pad_is_zero, r"left out where the target is 0, not where it is pad_index \(7\)"),
+    (L.check_sequence_loss, loss_per_sequence, "mean of each sequence's mean"),
+    (L.check_sequence_loss, loss_summed, "the sum over the real tokens: return their mean"),
+    (L.check_sequence_loss, loss_over_all_positions, "divided by all N x T = 18 positions"),
+    (L.check_sequence_loss, loss_item, "returned a Python number: return the loss tensor itself"),
+    (L.check_sequence_loss, loss_classes_in_dim_2, "raised (RuntimeError|ValueError): Expected target size.*reads dim 1 of its input as the classes"),
+    (L.check_sequence_loss, loss_view, r"raised RuntimeError: view size is not compatible.*reshape\(\) copies"),
+    (L.check_sequence_loss, loss_softmax_first, "probabilities went into cross_entropy"),
+    (L.check_sequence_loss, loss_overwrites_targets, r"sequence_loss \(its targets\) modified its input in place"),
+    (L.check_sequence_loss, loss_detached, "does not require grad"),
+    (L.check_sequence_loss, loss_per_token, r"shape \(3, 6\), one value per position"),
+    (L.check_sequence_loss, loss_calls_backward, "did your function call backward\\(\\) itself"),
+    (L.check_make_adamw, adamw_all_decayed, "every parameter is decayed; the ones with fewer than 2 dimensions"),
+    (L.check_make_adamw, adamw_by_name, r"'norm.weight' has shape \(6,\) but is decayed: decide by the number of dimensions"),
+    (L.check_make_adamw, adamw_with_frozen, r"'frozen.weight' is frozen \(requires_grad=False\) but is in the optimizer"),
+    (L.check_make_adamw, adam_coupled, "torch.optim.Adam, whose weight decay is coupled"),
+    (L.check_make_adamw, adamw_no_decay, "no parameter has weight decay"),
+    (L.check_make_adamw, adamw_modules_only, r"'temperature' \(shape \(\)\) is not in the optimizer"),
+    (L.check_make_adamw, adamw_freezes_the_rest, "changed requires_grad of 'temperature'"),
+    (L.check_make_adamw, adamw_default_lr, "'temperature' has lr 0.001, expected 0.0003"),
+    (L.check_make_adamw, adamw_other_eps, "has eps=1e-06, expected AdamW's default 1e-08"),
+    (L.check_make_adamw, adamw_more_than_two_dims, r"'embed.weight' has shape \(13, 6\), 2 or more dimensions, but has no weight decay"),
+    (L.check_make_adamw, adamw_fixed_decay, "'embed.weight' has weight_decay 0.01, expected 0.05"),
+    (L.check_make_adamw, adamw_tied_twice, "'embed.weight' is in the optimizer twice"),
+    (L.check_make_adamw, sgd_groups, "returned a torch.optim.SGD, expected a torch.optim.AdamW"),
+    (L.check_make_adamw, lambda model, lr, wd: None, "returned None"),
+    (L.check_warmup_cosine, warmup_cosine_too_long, "at step total_steps = 11 param group 0's lr is .*, expected min_lr = 0.001"),
+    (L.check_warmup_cosine, warmup_no_eta_min, "at step total_steps = 11 param group 0's lr is 0, expected min_lr = 0.001"),
+    (L.check_warmup_cosine, warmup_default_start, r"at step 0 param group 0's lr is 0.1, expected start_factor x lr = 0.06"),
+    (L.check_warmup_cosine, warmup_default_length, r"at step 1 \(warm-up\) param group 0's lr is"),
+    (L.check_warmup_cosine, cosine_only, "at step 0 param group 0's lr is 0.3, expected start_factor x lr = 0.06"),
+    (L.check_warmup_cosine, warmup_shared_lambda, "at step total_steps = 11 param group 1's lr is 0.0002, expected min_lr = 0.001"),
+    (L.check_warmup_cosine, WarmupOneLr, "param group 1 follows group 0's learning rates"),
+    (L.check_warmup_cosine, warmup_milestone_late, "at step total_steps = 11 param group 0's lr is 0.01238, expected min_lr = 0.001"),
+    (L.check_warmup_cosine, warmup_parts_list, "returned a list, expected a learning-rate scheduler"),
+    (L.check_warmup_cosine, one_cycle, "at step 0 param group 0's lr is 0.012, expected start_factor x lr = 0.06"),
+    (L.check_warmup_cosine, warmup_other_optimizer, "drives another optimizer"),
+    (L.check_warmup_cosine, lambda opt, w, t, s, m: None, "returned None"),
+    (L.check_accumulation_step, accumulate_divided_by_k, r"divided by the number of micro-batches \(3\); with sizes \[6, 1, 3\]"),
+    (L.check_accumulation_step, accumulate_undivided, "added up unweighted"),
+    (L.check_accumulation_step, accumulate_divided_by_four, r"every micro-batch's loss was given the same weight, whatever its size; with sizes \[6, 1, 3\]"),
+    (L.check_accumulation_step, accumulate_summed_losses, "the gradient at the step points the right way, but is 10 times as long as it should be"),
+    (L.check_accumulation_step, accumulate_without_zero_grad, "left in .grad from before counted too"),
+    (L.check_accumulation_step, accumulate_zeroing_inside, "only the last micro-batch's gradient reached the step"),
+    (L.check_accumulation_step, accumulate_without_clipping, r"micro-batches of 5, 5, 5, 2, max_norm=0.15\): the step used the unclipped gradient"),
+    (L.check_accumulation_step, accumulate_clips_after_step, "the step used the unclipped gradient"),
+    (L.check_accumulation_step, accumulate_steps_each, "optimizer.step\\(\\) was called 3 times"),
+    (L.check_accumulation_step, accumulate_never_steps, "optimizer.step\\(\\) was never called"),
+    (L.check_accumulation_step, accumulate_returns_tensor, "returned a tensor, expected a Python float"),
+    (L.check_accumulation_step, accumulate_returns_clipped_norm, r"returned 0\.\d+, the norm after clipping: return the total norm from before clipping"),
+    (L.check_accumulation_step, accumulate_returns_nothing, "returned None: return the total gradient norm"),
+    (L.check_accumulation_step, accumulate_clips_values, "the step used the unclipped gradient"),  # no value is above 0.15
+    (L.check_accumulation_step, accumulate_clips_each, r"the gradient of '.*' at the step: wrong values"),
+    (L.check_accumulation_step, accumulate_grad_of_none, r"raised AttributeError: 'NoneType' object has no attribute 'pow'"),
+    (L.check_evaluate_model, evaluate_in_train_mode, r"the model ran in train mode .*call model.eval\(\)"),
+    (L.check_evaluate_model, evaluate_with_grad, r"required grad.*torch.no_grad\(\)"),
+    (L.check_evaluate_model, evaluate_mean_of_batch_means, "mean of the batch means, but the batches hold 4, 4, 3 samples"),
+    (L.check_evaluate_model, evaluate_mean_of_batch_accuracies, "mean of the per-batch accuracies, but the batches hold 4, 4, 3"),
+    (L.check_evaluate_model, evaluate_full_batches, r"divided by len\(loader\) x batch_size = 12, but the last batch is smaller: there are 11 samples"),
+    (L.check_evaluate_model, evaluate_ties_right, "on a tie the prediction is the first of the tied classes"),
+    (L.check_evaluate_model, evaluate_percent, "a percentage: return a fraction"),
+    (L.check_evaluate_model, evaluate_tensor_values, "'loss' entry .* is a tensor, expected a Python float"),
+    (L.check_evaluate_model, evaluate_other_keys, r"keys \['val_accuracy', 'val_loss'\], expected \['accuracy', 'loss'\]"),
+    (L.check_evaluate_model, evaluate_leaves_eval, "left in eval mode: put every module back"),
+    (L.check_evaluate_model, evaluate_back_to_train, "left in train mode, but the caller had it in eval mode"),
+    (L.check_evaluate_model, evaluate_one_flag, r"'body.1' \(BatchNorm1d\) was in eval mode before the call .* model.train\(flag\) sets every submodule alike"),
+    (L.check_evaluate_model, evaluate_count_as_int, r"'accuracy' entry .* is an int \(\d+\), expected a Python float"),
+    (L.check_train_resumable, _resumable(save=("model", "shuffle", "torch")), "when training resumed, the optimizer.s momentum buffers were not those the uninterrupted run had after epoch 2"),
+    (L.check_train_resumable, _resumable(save=("model", "optimizer", "shuffle", "torch")), "the scheduler had been stepped 0 times, expected 2"),
+    (L.check_train_resumable, _resumable(save=("model", "optimizer", "scheduler", "torch")), r"first batch after resuming .* shuffle.get_state\(\)"),
+    (L.check_train_resumable, _resumable(save=("model", "optimizer", "scheduler", "shuffle")), r"global random state, which dropout draws from, .* torch.get_rng_state\(\)"),
+    (L.check_train_resumable, _resumable(save=("optimizer", "scheduler", "shuffle", "torch")), "when training resumed, the weights were not those the uninterrupted run had after epoch 2"),
+    (L.check_train_resumable, _resumable(save_every_epoch=False), "after 2 finished epochs and a crash in epoch 3, there is no checkpoint at `path`"),
+    (L.check_train_resumable, _resumable(keep_losses=False), "returned only the losses of the epochs after resuming"),
+    (L.check_train_resumable, _resumable(extra_epochs=True), r"it trained 20 batches \(4 epochs\), expected 10"),
+    (L.check_train_resumable, _resumable(step_scheduler=False), "the learning rate at the end is 0.2, expected 0.05: step the scheduler once per epoch"),
+    (L.check_train_resumable, _resumable(save_before_step=True), "the scheduler had been stepped 1 time, expected 2 \\(once per finished epoch\\): save scheduler.state_dict\\(\\) after its step"),
+    (L.check_train_resumable, _resumable(weights_only=False), r"torch.load\(..., weights_only=False\)"),
+    (L.check_train_resumable, resumable_saves_objects, r"does not load with torch.load\(weights_only=True\) \(UnpicklingError: WeightsUnpickler error: Unsupported global: GLOBAL torch.nn.modules.container.Sequential was not an allowed global by default\)"),
+    (L.check_train_resumable, resumable_with_course_helpers, "layout of course_utils' save_checkpoint"),
+    (L.check_train_resumable, resumable_saves_on_the_way_out, "when training resumed, the weights were not those the uninterrupted run had after epoch 2"),
+    (L.check_train_resumable, resumable_swallows_crashes, "let exceptions through"),
+    (L.check_train_resumable, resumable_returns_nothing, "returned None: return the list of every epoch's training loss"),
+    (L.check_train_resumable, resumable_tensor_losses, "returned tensors in its list"),
+]
+
+
+@pytest.mark.parametrize("check, wrong, message", WRONG, ids=[f"{c.exercise_name}-{i}" for i, (c, _, _) in enumerate(WRONG)])
+def test_wrong_answers_name_the_fault(check, wrong, message):
+    assert_names_fault(check, wrong, message)
+
+
+def test_every_check_has_enough_alternatives_and_wrong_answers():
+    for check, _ in PAIRS:
+        assert sum(c is check for c, _ in ALTERNATIVES) >= 3, check.exercise_name
+        assert sum(c is check for c, _, _ in WRONG) >= 8, check.exercise_name
+
+
+def test_evaluate_hidden_data_tells_the_wrong_answers_apart():
+    """The loss and accuracy variants differ from the right values and from each other, so no diagnosis is a guess."""
+    model, inputs, targets = L._scoring_problem()
+    for _, batch_size in L.EVALUATE_CASES:
+        loader = DataLoader(torch.utils.data.TensorDataset(inputs, targets), batch_size=batch_size)
+        model.eval()
+        expected = L.evaluate_model(model, loader, F.cross_entropy)
+        loss_variants, accuracy_variants = L._evaluate_variants(model, loader)
+        for key, variants in (("loss", loss_variants), ("accuracy", accuracy_variants)):
+            values = [expected[key]] + [v for v, _ in variants]
+            assert all(not math.isclose(a, b, rel_tol=1e-4) for i, a in enumerate(values) for b in values[i + 1:]), (key, values)
+    assert 0 < expected["accuracy"] < 1
 
 
 RAISING = [  # errors inside the learner's code: one line, arguments named briefly (no tensor or optimizer reprs)
-    (L.check_train_step, step_passes_the_batch_as_input,
-     r"^train_step: step_passes_the_batch_as_input\(model, \(inputs of shape \(8, 6\), targets of shape \(8,\)\), F.cross_entropy, optimizer\) raised TypeError"),
-    (L.check_evaluate_model, lambda m, ld, fn: m(ld), r"^evaluate_model: <lambda>\(model, loader of batches 4, 4 and 2, F.cross_entropy\) raised TypeError"),
-    (L.check_accumulate_gradients, lambda m, b, fn: m(b), r"^accumulate_gradients: <lambda>\(model, 4 micro-batches of 5, F.cross_entropy\) raised TypeError"),
-    (L.check_make_onecycle, lambda opt, m, e, s: OneCycle(opt, max_lr=m, epochs=e), r"^make_onecycle: <lambda>\(optimizer, 0.1, 3, 7\) raised ValueError"),
-    (L.check_accuracy, lambda lg, t: lg.argmax(1).eq(t).mean().item(), r"^accuracy: <lambda>\(tensor of shape \(10, 10\), tensor of shape \(10,\)\) raised RuntimeError"),
-    (L.check_early_stop, lambda losses, p: losses[-1 - p] < 0, r"^early_stop: <lambda>\(\[\], 2\) raised IndexError"),
+    (L.check_sequence_loss, lambda logits, targets, pad: logits @ targets,
+     r"^sequence_loss: <lambda>\(logits of shape \(3, 6, 12\), targets of shape \(3, 6\), pad_index=7\) raised RuntimeError"),
+    (L.check_make_adamw, lambda model, lr, wd: model(lr), r"^make_adamw: <lambda>\(model, 0.0003, 0.05\) raised"),
+    (L.check_warmup_cosine, lambda opt, w, t, s, m: LinearLR(opt, start_factor=0.0), r"^warmup_cosine: <lambda>\(optimizer, 3, 11, 0.2, 0.001\) raised ValueError"),
+    (L.check_accumulation_step, lambda m, b, fn, opt, mx: m(b), r"^accumulation_step: <lambda>\(model, 3 micro-batches of 6, 1, 3, F.cross_entropy, optimizer, 50\) raised TypeError"),
+    (L.check_evaluate_model, lambda m, ld, fn: m(ld), r"^evaluate_model: <lambda>\(model, loader of batches 4, 4, 3, F.cross_entropy\) raised TypeError"),
+    (L.check_train_resumable, lambda m, ld, fn, opt, s, g, e, p: torch.load(p, weights_only=True),
+     r"^train_resumable: <lambda>\(model, loader, F.cross_entropy, optimizer, scheduler, shuffle, 4, path\) raised FileNotFoundError"),
 ]
 
 
-@pytest.mark.parametrize("check, wrong, message", RAISING)
+@pytest.mark.parametrize("check, wrong, message", RAISING, ids=[c.exercise_name for c, _, _ in RAISING])
 def test_errors_inside_the_learners_code_are_one_short_line(check, wrong, message):
     with pytest.raises(ExerciseFailed, match=message) as info:
         check(wrong)
     assert "\n" not in str(info.value) and len(str(info.value)) < 300
 
 
-@pytest.mark.parametrize("check, wrong, message", WRONG)
-def test_wrong_answers_name_the_fault(check, wrong, message):
-    assert_names_fault(check, wrong, message)
+def test_a_scheduler_that_fails_to_step_is_the_learners_fault():
+    verdict = L.check_warmup_cosine.verdict(lambda opt, w, t, s, m: torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    assert verdict.status == "failed" and "step() number 1 raised TypeError" in verdict.reason, verdict
+
+
+def test_resume_check_leaves_no_files_and_restores_torch_load(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    load = torch.load
+    L.check_train_resumable(L.train_resumable)
+    assert torch.load is load
+    assert list(tmp_path.iterdir()) == []
 
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "solutions" / "05_training.ipynb"
@@ -257,31 +1024,44 @@ def test_the_lessons_accuracy_claim():
     settings = next(c for c in cells if "def make_model(" in c)
     namespace = {"nn": nn, "torch": torch, "check_mode": lambda: False}
     exec(settings, namespace)  # the notebook's own model and settings
+    split = next(c for c in cells if "random_split(" in c and "train_full" in c)
     training = next(c for c in cells if "history = fit(" in c and "scheduler_per_batch=True" in c)
     # The recipe below must be the notebook's: fail here if someone changes one without the other.
-    for line in (
-        "optimizer = torch.optim.AdamW(model.parameters(), lr=MAX_LR, weight_decay=WEIGHT_DECAY)",
-        "scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=MAX_LR, epochs=EPOCHS, steps_per_epoch=len(train_loader))",
-        "epochs=EPOCHS, scheduler=scheduler, scheduler_per_batch=True)",
+    for line, cell in (
+        ("train_set, val_set = random_split(train_full, [0.8, 0.2], generator=torch.Generator().manual_seed(0))", split),
+        ("optimizer = torch.optim.AdamW(model.parameters(), lr=MAX_LR, weight_decay=WEIGHT_DECAY)", training),
+        ("scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=MAX_LR, epochs=EPOCHS, steps_per_epoch=len(train_loader))", training),
+        ("history = fit(model, train_loader, val_loader, loss_fn, optimizer,", training),
+        ("epochs=EPOCHS, scheduler=scheduler, scheduler_per_batch=True)", training),
     ):
-        assert line in training, f"the notebook's training cell changed: {line}"
-    assert any('assert history["val_accuracy"].iloc[-1] >= 0.95' in c for c in cells)
+        assert line in cell, f"the notebook's training recipe changed: {line}"
+    assert any('assert test["accuracy"] >= 0.95' in c for c in cells)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the notebook's first cell does
     try:
-        train_set, test_set, class_names = classification_datasets("digits")
+        train_full, test_set, class_names = classification_datasets("digits")
+        train_set, val_set = random_split(train_full, [0.8, 0.2], generator=torch.Generator().manual_seed(0))
         generator = seed_everything(0)
         train_loader = DataLoader(train_set, batch_size=namespace["BATCH_SIZE"], shuffle=True, generator=generator)
-        test_loader = DataLoader(test_set, batch_size=256)
+        val_loader = DataLoader(val_set, batch_size=256)
         seed_everything(0)
         generator.manual_seed(0)
-        model = namespace["make_model"](train_set[0][0].numel(), len(class_names))
+        model = namespace["make_model"](train_full[0][0].numel(), len(class_names))
         MAX_LR, EPOCHS = namespace["MAX_LR"], namespace["EPOCHS"]
         optimizer = torch.optim.AdamW(model.parameters(), lr=MAX_LR, weight_decay=namespace["WEIGHT_DECAY"])
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=MAX_LR, epochs=EPOCHS, steps_per_epoch=len(train_loader))
-        history = fit(model, train_loader, test_loader, nn.CrossEntropyLoss(), optimizer,
-                      epochs=EPOCHS, scheduler=scheduler, scheduler_per_batch=True, log=None)
+        fit(model, train_loader, val_loader, nn.CrossEntropyLoss(), optimizer,
+            epochs=EPOCHS, scheduler=scheduler, scheduler_per_batch=True, log=None)
+        test = evaluate(model, DataLoader(test_set, batch_size=256), nn.CrossEntropyLoss())
     finally:
         torch.set_num_threads(threads)
-    assert history["val_accuracy"].iloc[-1] >= 0.95, history.round(4).to_string()
+    assert test["accuracy"] >= 0.95, test
+
+
+@pytest.mark.parametrize("check, reference", PAIRS, ids=[r.__name__ for _, r in PAIRS])
+def test_checks_leave_the_thread_count_alone(check, reference):
+    """The checks run on one thread for speed, and give the caller's setting back."""
+    threads = torch.get_num_threads()
+    check(reference)
+    assert torch.get_num_threads() == threads
