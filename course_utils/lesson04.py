@@ -1,27 +1,38 @@
 """Lesson 04 (data: Dataset and DataLoader): reference solutions and the checks for its exercises."""
 
+import contextlib
 import math
+import multiprocessing
 import tempfile
+import time
+import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.nn.utils.rnn import pad_sequence
-from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset, WeightedRandomSampler, random_split
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset, WeightedRandomSampler, default_convert, random_split
+from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import find_classes
 from torchvision.transforms import v2
 
-from course_utils.tooling.checks import ExerciseFailed, call, exercise, expect_equal, expect_shape, expect_tensor, type_name, scoreboard_for
+from course_utils.tooling.checks import (
+    ExerciseFailed,
+    a_type,
+    call,
+    exercise,
+    expect_equal,
+    expect_shape,
+    expect_tensor,
+    scoreboard_for,
+    type_name,
+)
 
 scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
 # Reference solutions. The checks compare the learner's answers with these.
-
-
-def count_batches(n: int, batch_size: int, drop_last: bool) -> int:
-    """How many batches a DataLoader makes from n items."""
-    return n // batch_size if drop_last else math.ceil(n / batch_size)
 
 
 def read_item(root: Path, row) -> tuple[torch.Tensor, int]:
@@ -32,6 +43,25 @@ def read_item(root: Path, row) -> tuple[torch.Tensor, int]:
     return image, int(row["label"])
 
 
+def folder_dataset(root: Path) -> ImageFolder:
+    """An ImageFolder over root/<number>/*.png: items (gray float32 image (1, H, W) in [0, 1], the folder's number)."""
+    to_gray = v2.Compose([v2.ToImage(), v2.Grayscale(), v2.ToDtype(torch.float32, scale=True)])
+    classes, _ = find_classes(root)  # sorted as text, as ImageFolder numbers them: '10' before '2'
+    number_of_class = [int(name) for name in classes]
+    # A bound method pickles, so worker processes started by spawn can receive the dataset.
+    return ImageFolder(root, transform=to_gray, target_transform=number_of_class.__getitem__)
+
+
+def split_train_val(
+    make_dataset: Callable[..., Dataset], val_fraction: float, seed: int, train_transform: Callable, val_transform: Callable
+) -> tuple[Subset, Subset]:
+    """(train, val): one seeded split, the training part read with train_transform, the validation part with val_transform."""
+    augmented, plain = make_dataset(transform=train_transform), make_dataset(transform=val_transform)
+    n_val = int(val_fraction * len(plain))
+    train, val = random_split(range(len(plain)), [len(plain) - n_val, n_val], generator=torch.Generator().manual_seed(seed))
+    return Subset(augmented, train.indices), Subset(plain, val.indices)  # one split, the same indices into both
+
+
 def pad_collate(batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[(sequence (L_i,), label), ...] -> (padded (B, L_max), lengths (B,), labels (B,)), padding with 0."""
     sequences, labels = zip(*batch)
@@ -40,62 +70,73 @@ def pad_collate(batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, to
     return padded, lengths, torch.tensor(labels)
 
 
-def make_split(dataset: Dataset, fractions: Sequence[float], seed: int) -> tuple[Subset, Subset]:
-    """(train, val) Subsets of dataset in the given fractions, the same for the same seed."""
-    generator = torch.Generator().manual_seed(seed)
-    train, val = random_split(dataset, fractions, generator=generator)
-    return train, val
-
-
-def class_weights_for(labels: torch.Tensor) -> torch.Tensor:
-    """One weight per sample: 1 / (how many samples share its class)."""
-    counts = torch.bincount(labels)
-    return 1.0 / counts[labels].float()
-
-
 def balanced_loader(dataset: Dataset, labels: torch.Tensor, batch_size: int, seed: int) -> DataLoader:
-    """A DataLoader that draws every class equally often, via a seeded WeightedRandomSampler."""
-    sampler = WeightedRandomSampler(
-        class_weights_for(labels),
-        num_samples=len(labels),
-        replacement=True,
-        generator=torch.Generator().manual_seed(seed),
-    )
+    """A DataLoader whose epochs draw every class equally often on average, through a seeded WeightedRandomSampler."""
+    count_of_class = torch.bincount(labels)
+    weights = 1.0 / count_of_class[labels].double()  # each class's samples share a total weight of 1
+    sampler = WeightedRandomSampler(weights, num_samples=len(labels), replacement=True, generator=torch.Generator().manual_seed(seed))
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def time_epoch(loader: DataLoader, step: Callable[[Any], Any]) -> tuple[float, float]:
+    """One epoch of step(batch) over loader -> (seconds spent waiting for batches, seconds spent in step)."""
+    waiting = stepping = 0.0
+    start = time.perf_counter()
+    for batch in loader:  # the wait for a batch happens here, inside the loop's hidden next()
+        got_batch = time.perf_counter()
+        step(batch)
+        done = time.perf_counter()
+        waiting += got_batch - start
+        stepping += done - got_batch
+        start = done
+    return waiting, stepping
+
+
+def parallel_loader(loader: DataLoader, workers: int) -> DataLoader:
+    """A loader with the batches of `loader`, loaded by `workers` processes that live from one epoch to the next."""
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=loader.batch_sampler,  # the same sampler, batch size and drop_last
+        collate_fn=loader.collate_fn,
+        num_workers=workers,
+        persistent_workers=True,
+        generator=loader.generator,  # each epoch's first draw seeds the workers, as it did in the loader
+        pin_memory=loader.pin_memory,
+    )
 
 
 # Checks, one per exercise, in notebook order.
 
 
-@exercise("count_batches")
-def check_count_batches(fn) -> None:
-    for n, batch_size in ((1438, 64), (10, 3), (128, 64), (5, 8)):
-        for drop_last in (False, True):
-            got = call(fn, n, batch_size, drop_last)
-            expected = count_batches(n, batch_size, drop_last)
-            what = f"count_batches({n}, {batch_size}, drop_last={drop_last})"
-            if not isinstance(got, (int, float)) or isinstance(got, bool):
-                expect_equal(got, expected, what=what)
-            if isinstance(got, float) and got == expected:
-                raise ExerciseFailed(f"{what} is the float {got!r}: a number of batches is an int; use // or math.ceil")
-            if got == count_batches(n, batch_size, not drop_last) and got != expected:
-                keep = "drops" if drop_last else "keeps"
-                raise ExerciseFailed(f"{what}: expected {expected}, got {got}: drop_last={drop_last} {keep} the last, smaller batch")
-            if not drop_last and n % batch_size == 0 and got == expected + 1:
-                raise ExerciseFailed(f"{what}: expected {expected}, got {got}: {n} items fill exactly {expected} batches, with none left over")
-            expect_equal(got, expected, what=what)
+def _a(value: Any) -> str:
+    """'a tensor of shape (2, 3)', 'an int': a returned value as a message names it."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return "None" if value is None else a_type(value)
 
 
-def _write_digits(root: Path) -> list[dict[str, str]]:
-    """Two PNGs that are not the course's digits, so the check sees whether `root` is used."""
-    (root / "images").mkdir()
-    rows = []
-    for i, (label, size) in enumerate(((3, (8, 8)), (7, (6, 5)))):
-        pixels = np.random.default_rng(i).integers(0, 256, size=size[::-1], dtype=np.uint8)
-        pixels[0, 0] = 255  # so that an unscaled image shows 255
-        Image.fromarray(pixels).save(root / "images" / f"{i}.png")
-        rows.append({"filename": f"images/{i}.png", "label": str(label), "split": "train"})
-    return rows
+# ---- read_item ----------------------------------------------------------------------------------
+
+
+def _pixels(height: int, width: int, seed: int, channels: int = 0) -> np.ndarray:
+    """Random uint8 pixels holding both 0 and 255, so that unscaled or clipped images show."""
+    shape = (height, width, channels) if channels else (height, width)
+    pixels = np.random.default_rng(seed).integers(1, 255, size=shape, dtype=np.uint8)
+    pixels.reshape(-1)[0], pixels.reshape(-1)[-1] = 255, 0
+    return pixels
+
+
+def _write_pictures(root: Path) -> list[dict[str, str]]:
+    """Three PNGs unlike the course's digits: a gray one, a colour (RGB) one and one in the folder root."""
+    (root / "pics").mkdir()
+    files = [
+        ("pics/a.png", Image.fromarray(_pixels(7, 5, 1)), "0"),
+        ("pics/b.png", Image.fromarray(_pixels(4, 6, 2, channels=3), mode="RGB"), "12"),
+        ("c.png", Image.fromarray(_pixels(3, 3, 3)), "10"),
+    ]
+    for name, image, _ in files:
+        image.save(root / name)
+    return [{"filename": name, "label": label, "split": "train"} for name, _, label in files]
 
 
 @exercise("read_item")
@@ -104,53 +145,322 @@ def check_read_item(fn) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        rows = _write_digits(root)
-        # As csv.DictReader gives it (label a str) and as a pandas row (label a numpy integer).
-        cases = [rows[0], pd.DataFrame(rows).astype({"label": int}).iloc[1]]
-        for row in cases:
+        rows = _write_pictures(root)
+        table = pd.DataFrame(rows).astype({"label": int})
+        # As csv.DictReader gives a row (label a str) and as pandas does (label a numpy integer).
+        cases = [(rows[0], "gray"), (table.iloc[1], "colour (RGB)"), (rows[2], "gray")]
+        for row, kind in cases:
             what = f"read_item(root, row {row['filename']!r})"
+            before = dict(row)
+            expected_image, expected_label = read_item(root, row)
             got = call(fn, root, row, shown=f"root, row {row['filename']!r}")
             if not isinstance(got, (tuple, list)) or len(got) != 2:
-                raise ExerciseFailed(f"{what} returned a {type_name(got)}: return a tuple (image, label)")
+                raise ExerciseFailed(f"{what} returned {_a(got)}: return a tuple (image, label)")
             image, label = got
-            expected_image, expected_label = read_item(root, row)
             if isinstance(image, Image.Image):
-                raise ExerciseFailed(f"{what}: the image is still a PIL image; convert it with v2.ToImage() and v2.ToDtype(...)")
+                raise ExerciseFailed(f"{what}: the image is still a PIL image; convert it to a tensor with v2.ToImage() and v2.ToDtype(...)")
             if isinstance(image, torch.Tensor):
                 if image.dtype == torch.uint8:
                     raise ExerciseFailed(f"{what}: the image is uint8 with values 0-255: add v2.ToDtype(torch.float32, scale=True)")
-                if image.is_floating_point() and image.max() > 1.5:
+                if image.is_floating_point() and image.numel() and image.max() > 1.5:
                     raise ExerciseFailed(f"{what}: pixel values go up to {image.max().item():.0f}: pass scale=True to ToDtype so they land in [0, 1]")
-                if tuple(image.shape) == tuple(expected_image.shape[1:]):
+                h, w = expected_image.shape[1:]
+                if tuple(image.shape) == (h, w):
+                    raise ExerciseFailed(f"{what}: the image has shape {(h, w)}, with no channel dimension: v2.ToImage() gives (1, H, W)")
+                if tuple(image.shape) == (3, h, w):
                     raise ExerciseFailed(
-                        f"{what}: the image has shape {tuple(image.shape)}, with no channel dimension: v2.ToImage() gives (1, H, W)"
+                        f"{what}: the image has 3 channels because this file is stored in {kind}; "
+                        "convert every image to one gray channel ('L') when you open it"
                     )
-            expect_tensor(image, expected_image, what=f"{what}'s image")
+            # 1.5 grey levels: v2.Grayscale and Pillow's convert('L') may round a colour pixel differently.
+            expect_tensor(image, expected_image, what=f"{what}'s image", atol=1.5 / 255)
             if isinstance(label, str):
-                raise ExerciseFailed(f"{what}: the label is the string {label!r}: convert it with int(row['label'])")
-            if isinstance(label, np.integer):
-                raise ExerciseFailed(f"{what}: the label is a {type(label).__name__}: convert it with int(row['label'])")
+                raise ExerciseFailed(f"{what}: the label is the string {label!r}: convert it with int()")
             expect_equal(label, expected_label, what=f"{what}'s label")
+            if dict(row) != before:
+                raise ExerciseFailed(f"{what} changed the row it was given: read from it, do not write to it")
 
 
-def _sequences(lengths: Sequence[int], seed: int) -> list[tuple[torch.Tensor, int]]:
+# ---- folder_dataset -----------------------------------------------------------------------------
+
+_FOLDER_CLASSES = [str(number) for number in range(12)]  # more than 9 classes: as text, '10' sorts before '2'
+
+
+def _write_folder(root: Path) -> dict[str, tuple[torch.Tensor, int]]:
+    """root/<number>/*.png for 12 classes, one image each and two in class 3, one in colour; {path: (gray image, number)}."""
+    expected = {}
+    for number, name in enumerate(_FOLDER_CLASSES):
+        (root / name).mkdir()
+        for k in range(2 if number == 3 else 1):
+            height, width = 3 + number % 4, 4 + (number + k) % 3
+            colour = number == 7
+            image = Image.fromarray(_pixels(height, width, 100 + 10 * number + k, channels=3 if colour else 0), mode="RGB" if colour else "L")
+            path = root / name / f"img{k}.png"
+            image.save(path)
+            expected[str(path)] = (read_item(root, {"filename": f"{name}/img{k}.png", "label": number})[0], number)
+    (root / "3" / "notes.txt").write_text("not an image: ImageFolder skips it\n")
+    return expected
+
+
+def _match_file(image: torch.Tensor, expected: dict[str, tuple[torch.Tensor, int]]) -> str | None:
+    for path, (gray, _) in expected.items():
+        if image.shape == gray.shape and torch.allclose(image.double(), gray.double(), atol=1.5 / 255, rtol=0):
+            return path
+    return None
+
+
+@exercise("folder_dataset")
+def check_folder_dataset(fn) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "shapes"
+        root.mkdir()
+        expected = _write_folder(root)
+        what = "folder_dataset(root with 12 class folders '0' to '11')"
+        dataset = call(fn, root, shown="root with 12 class folders '0' to '11'")
+        if not isinstance(dataset, ImageFolder):
+            raise ExerciseFailed(f"{what} returned {_a(dataset)}, expected a torchvision.datasets.ImageFolder")
+        if Path(dataset.root).resolve() != root.resolve():
+            raise ExerciseFailed(f"{what} reads the folder {str(dataset.root)!r}, not the root it was given")
+        if len(dataset) != len(expected):
+            raise ExerciseFailed(f"{what} holds {len(dataset)} items, expected {len(expected)}: one per image file under root")
+        sorted_index = {name: i for i, name in enumerate(sorted(_FOLDER_CLASSES))}
+        seen = set()
+        for i in range(len(dataset)):
+            item = call(dataset.__getitem__, i, name="dataset.__getitem__")
+            where = f"{what}[{i}]"
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise ExerciseFailed(f"{where} is {_a(item)}, expected a pair (image, label)")
+            image, label = item
+            if isinstance(image, Image.Image):
+                raise ExerciseFailed(f"{where}: the image is a PIL image; give ImageFolder a transform that makes a float tensor")
+            if not isinstance(image, torch.Tensor):
+                raise ExerciseFailed(f"{where}: the image is {_a(image)}, expected a torch.Tensor")
+            if image.ndim == 3 and image.shape[0] == 3:
+                raise ExerciseFailed(
+                    f"{where}: the image has 3 channels, shape {tuple(image.shape)}: ImageFolder's default loader opens "
+                    "every file as RGB; make it one gray channel"
+                )
+            if image.dtype == torch.uint8:
+                raise ExerciseFailed(f"{where}: the image is uint8 with values 0-255, expected float32 in [0, 1]")
+            if image.is_floating_point() and image.numel() and image.max() > 1.5:
+                raise ExerciseFailed(f"{where}: pixel values go up to {image.max().item():.0f}: scale them to [0, 1] (ToDtype(..., scale=True))")
+            if image.dtype != torch.float32:
+                raise ExerciseFailed(f"{where}: the image has dtype {image.dtype}, expected torch.float32")
+            if image.ndim != 3 or image.shape[0] != 1:
+                raise ExerciseFailed(f"{where}: the image has shape {tuple(image.shape)}, expected (1, H, W)")
+            path = _match_file(image, expected)
+            if path is None:
+                raise ExerciseFailed(f"{where}: the image matches no file under root, read in gray")
+            seen.add(path)
+            gray, number = expected[path]
+            folder = Path(path).parent.name
+            if isinstance(label, torch.Tensor) and label.numel() == 1:
+                raise ExerciseFailed(f"{where}: the label is a tensor, expected a Python int: return int(...)")
+            is_number = isinstance(label, (int, np.integer)) and not isinstance(label, bool)
+            if is_number and label == sorted_index[folder] and label != number:
+                raise ExerciseFailed(
+                    f"{where}: an image of folder '{folder}' has the label {label}, its position among the folders sorted "
+                    f"as text ('10' comes before '2'); the label must be the folder's number, {number} (target_transform)"
+                )
+            expect_equal(label, number, what=f"{where}'s label (folder '{folder}')")
+        if len(seen) != len(expected):
+            raise ExerciseFailed(f"{what}: {len(expected) - len(seen)} image files never appear among its items")
+
+
+# ---- split_train_val ----------------------------------------------------------------------------
+
+
+class _Pictures(Dataset):
+    """Tiny uint8 images with unique labels; `transform` (torchvision's convention) is applied to each image read."""
+
+    def __init__(self, images: torch.Tensor, labels: list[int], transform: Callable | None = None):
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        image = self.images[index]
+        return (image if self.transform is None else self.transform(image)), self.labels[index]
+
+
+class _Jitter:
+    """A random augmentation: scale to [0, 1], then add noise below half a grey level, drawn from torch's global RNG."""
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return image.float() / 255 + torch.rand(image.shape) * (0.5 / 255)
+
+
+class _Scale:
+    """The evaluation transform: scale to [0, 1], nothing random."""
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return image.float() / 255
+
+
+def _pictures(n: int, seed: int) -> tuple[torch.Tensor, list[int]]:
     generator = torch.Generator().manual_seed(seed)
-    return [(torch.randint(1, 10, (n,), generator=generator), i % 3) for i, n in enumerate(lengths)]
+    images = torch.randint(0, 256, (n, 1, 3, 3), dtype=torch.uint8, generator=generator)
+    labels = (torch.randperm(n, generator=generator) + 100).tolist()  # one label per item, so it names the item
+    return images, labels
+
+
+def _item_at(part: Any, i: int, name: str, what: str) -> tuple[Any, Any]:
+    item = call(part.__getitem__, i, name=f"{name}.__getitem__")
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        raise ExerciseFailed(f"{what}: {name}[{i}] is {_a(item)}, expected a pair (image, label)")
+    return item[0], item[1]
+
+
+def _read_part(part: Any, name: str, labels: list[int], what: str) -> list[tuple[int, Any, int]]:
+    """[(position, image, index of the item in the dataset)] of one returned part, read once in order."""
+    index_of = {label: k for k, label in enumerate(labels)}
+    out = []
+    for i in range(len(part)):
+        image, label = _item_at(part, i, name, what)
+        if isinstance(label, torch.Tensor) and label.numel() == 1:
+            label = label.item()
+        if not isinstance(label, int) or label not in index_of:
+            raise ExerciseFailed(f"{what}: {name}[{i}] has the label {label!r}, which no item of the dataset has")
+        out.append((i, image, index_of[label]))
+    return out
+
+
+def _same_image(got: Any, expected: torch.Tensor) -> bool:
+    return isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def _is_jittered(got: Any, image: torch.Tensor) -> bool:
+    if not isinstance(got, torch.Tensor) or got.shape != image.shape or not got.is_floating_point():
+        return False
+    noise = got.double() - image.double() / 255
+    return bool((noise >= 0).all() and (noise < 0.5 / 255 + 1e-6).all() and (noise > 0).any())
+
+
+def _parts(got: Any, what: str) -> tuple[Any, Any]:
+    """The (train, val) pair a learner returned, each a dataset."""
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        raise ExerciseFailed(f"{what} returned {_a(got)}: return the pair (train, val)")
+    for part, name in zip(got, ("train", "val")):
+        if not (hasattr(part, "__len__") and hasattr(part, "__getitem__")):
+            raise ExerciseFailed(f"{what}: {name} is {_a(part)}, expected a dataset (with __len__ and __getitem__)")
+    return got[0], got[1]
+
+
+def _shared_hint(train: Any, val: Any) -> str:
+    if isinstance(train, Subset) and isinstance(val, Subset) and train.dataset is val.dataset:
+        return " (both parts are Subsets of one dataset, so they read it with the same transform)"
+    return ""
+
+
+@exercise("split_train_val")
+def check_split_train_val(fn) -> None:
+    jitter, scale = _Jitter(), _Scale()
+    for n, val_fraction, seed in ((23, 0.3, 5), (10, 0.5, 0), (9, 0.25, 13)):
+        images, labels = _pictures(n, seed=n)
+
+        def make_dataset(transform=None):
+            return _Pictures(images, labels, transform)
+
+        shown = f"make_dataset, {val_fraction}, seed={seed}, train_transform, val_transform"
+        what = f"split_train_val(dataset of {n}, val_fraction={val_fraction}, seed={seed})"
+        original = images.clone()
+        state = torch.random.get_rng_state()
+        train, val = _parts(call(fn, make_dataset, val_fraction, seed, jitter, scale, shown=shown), what)
+        global_rng_touched = not torch.equal(torch.random.get_rng_state(), state)
+        n_val = int(val_fraction * n)
+        sizes, expected_sizes = [len(train), len(val)], [n - n_val, n_val]
+        if sizes != expected_sizes:
+            hint = ": swapped? return (train, val)" if sizes == expected_sizes[::-1] else f" (val gets int({val_fraction} * {n}) items)"
+            raise ExerciseFailed(f"{what}: expected sizes (train, val) {expected_sizes}, got {sizes}{hint}")
+
+        # Which dataset item each position of a part holds, named by its unique label.
+        torch.manual_seed(seed + 1000)
+        train_items = _read_part(train, "train", labels, what)
+        val_items = _read_part(val, "val", labels, what)
+        train_order, val_order = [k for _, _, k in train_items], [k for _, _, k in val_items]
+        shared = set(train_order) & set(val_order)
+        if shared:
+            raise ExerciseFailed(
+                f"{what}: {len(shared)} items are in both parts: the parts come from two different shuffles; take both from one seeded split"
+            )
+        if len(set(train_order)) != len(train_order) or len(set(val_order)) != len(val_order):
+            raise ExerciseFailed(f"{what}: an item appears twice in one part; each item belongs to exactly one part, once")
+        for i, image, k in val_items:
+            expected = scale(images[k])
+            if _same_image(image, expected):
+                continue
+            if _is_jittered(image, images[k]):
+                raise ExerciseFailed(f"{what}: val[{i}] is augmented: the validation part must be read with val_transform{_shared_hint(train, val)}")
+            if _same_image(image, images[k]):
+                raise ExerciseFailed(f"{what}: val[{i}] is the raw image: the validation part must apply val_transform")
+            expect_tensor(image, expected, what=f"{what}: val[{i}]'s image")
+        for i, _, k in train_items:
+            torch.manual_seed(seed + 2000 + i)
+            image = _item_at(train, i, "train", what)[0]
+            torch.manual_seed(seed + 2000 + i)
+            expected = jitter(images[k])
+            if _same_image(image, expected):
+                continue
+            if _same_image(image, scale(images[k])):
+                raise ExerciseFailed(
+                    f"{what}: train[{i}] is not augmented: the training part must be read with train_transform{_shared_hint(train, val)}"
+                )
+            if _same_image(image, images[k]):
+                raise ExerciseFailed(f"{what}: train[{i}] is the raw image: the training part must apply train_transform")
+            if _is_jittered(image, images[k]):
+                raise ExerciseFailed(f"{what}: train[{i}] is augmented, but not by a fresh call of train_transform each time it is read")
+            expect_tensor(image, expected, what=f"{what}: train[{i}]'s image")
+        if not torch.equal(images, original):
+            raise ExerciseFailed(f"{what} changed the dataset's images")
+        if train_order + val_order == list(range(n)) or val_order + train_order == list(range(n)):
+            raise ExerciseFailed(f"{what}: the parts hold the items in their original order: shuffle before you split")
+
+        again = _parts(call(fn, make_dataset, val_fraction, seed, jitter, scale, shown=shown), what)
+        if [[k for _, _, k in _read_part(part, name, labels, what)] for part, name in zip(again, ("train", "val"))] != [train_order, val_order]:
+            raise ExerciseFailed(f"{what}: two calls with the same seed gave different splits: seed the split with `seed`")
+        if global_rng_touched:
+            raise ExerciseFailed(
+                f"{what} changed torch's global random state (torch.manual_seed?): give the split a torch.Generator of its own"
+            )
+        other = _parts(call(fn, make_dataset, val_fraction, seed + 1, jitter, scale, shown=shown), what)
+        if sorted(k for _, _, k in _read_part(other[1], "val", labels, what)) == sorted(val_order):
+            raise ExerciseFailed(f"{what}: seeds {seed} and {seed + 1} gave the same split: the split must depend on seed")
+
+
+# ---- pad_collate --------------------------------------------------------------------------------
+
+
+def _sequences(lengths: Sequence[int], labels: Sequence[int], seed: int) -> list[tuple[torch.Tensor, int]]:
+    """Token ids 0-14: token 0 is a real token here, inside and at the end of sequences."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = [(torch.randint(1, 15, (n,), generator=generator), y) for n, y in zip(lengths, labels)]
+    for i, (tokens, _) in enumerate(batch):
+        if len(tokens) > 1:
+            tokens[i % len(tokens)] = 0
+        if i == 0:
+            tokens[-1] = 0
+    return batch
 
 
 @exercise("pad_collate")
 def check_pad_collate(fn) -> None:
     # Batch sizes differ from the longest length, so a transposed result shows in its shape.
-    for lengths, seed in (((3, 6, 1, 4), 0), ((5, 2, 2), 1), ((2,), 2)):
-        batch = _sequences(lengths, seed)
-        what = f"pad_collate(batch of sequences with lengths {list(lengths)})"
-        got = call(fn, [(s.clone(), y) for s, y in batch], shown=f"batch of sequences with lengths {list(lengths)}")
+    cases = (((3, 6, 1, 4), (11, 0, 4, 11), 0), ((5,), (13,), 1), ((2, 5, 5), (2, 10, 3), 2))
+    for lengths, labels, seed in cases:
+        batch = _sequences(lengths, labels, seed)
+        shown = f"batch of sequences with lengths {list(lengths)}"
+        what = f"pad_collate({shown})"
+        given = [(s.clone(), y) for s, y in batch]
+        got = call(fn, given, shown=shown)
         if not isinstance(got, (tuple, list)):
-            raise ExerciseFailed(f"{what} returned a {type_name(got)}: return a tuple (padded, lengths, labels)")
+            raise ExerciseFailed(f"{what} returned {_a(got)}: return a tuple (padded, lengths, labels)")
         if len(got) != 3:
             missing = ": the lengths are missing" if len(got) == 2 else ""
             raise ExerciseFailed(f"{what} returned {len(got)} things, expected 3: (padded, lengths, labels){missing}")
-        padded, got_lengths, labels = got
+        if any(not torch.equal(s, original) for (s, _), (original, _) in zip(given, batch)):
+            raise ExerciseFailed(f"{what} changed the sequences it was given: pad copies, not the originals")
+        padded, got_lengths, got_labels = got
         expected_padded, expected_lengths, expected_labels = pad_collate(batch)
         batch_size, longest = expected_padded.shape
         if isinstance(padded, torch.Tensor) and tuple(padded.shape) == (longest, batch_size) and batch_size != longest:
@@ -166,116 +476,328 @@ def check_pad_collate(fn) -> None:
                 f"{what}: the rows are reordered; keep the batch order (pack_padded_sequence(..., enforce_sorted=False) takes unsorted batches)"
             )
         expect_tensor(padded, expected_padded, what=f"{what}'s padded tensor")
-        if isinstance(got_lengths, torch.Tensor) and got_lengths.shape == expected_lengths.shape and len(lengths) > 1:
-            if torch.all(got_lengths == longest):
+        if isinstance(got_lengths, torch.Tensor) and got_lengths.shape == expected_lengths.shape:
+            if len(lengths) > 1 and torch.all(got_lengths == longest):
                 raise ExerciseFailed(f"{what}: every length is the padded length {longest}: record len(seq) of each sequence before padding")
+            nonzero = (expected_padded != 0).sum(dim=1)
+            if torch.equal(got_lengths.long(), nonzero) and not torch.equal(nonzero, expected_lengths):
+                raise ExerciseFailed(
+                    f"{what}: the lengths count the non-zero tokens, but 0 is a real token too (sequence 0 ends in one): "
+                    "take each sequence's length before padding"
+                )
         expect_tensor(got_lengths, expected_lengths, what=f"{what}'s lengths")
-        expect_tensor(labels, expected_labels, what=f"{what}'s labels")
+        expect_tensor(got_labels, expected_labels, what=f"{what}'s labels")
 
 
-def _indices(split: Any) -> list[int] | None:
-    return list(split.indices) if isinstance(split, Subset) else None
+# ---- balanced_loader ----------------------------------------------------------------------------
 
 
-@exercise("make_split")
-def check_make_split(fn) -> None:
-    for n, fractions, seed in ((50, (0.8, 0.2), 0), (7, (0.7, 0.3), 3), (20, (0.5, 0.5), 11)):
-        dataset = list(range(100, 100 + n))
-        what = f"make_split(dataset of {n}, {fractions}, seed={seed})"
-        torch.manual_seed(1234)
-        state = torch.random.get_rng_state()
-        got = call(fn, dataset, fractions, seed, shown=f"dataset of {n}, {fractions}, seed={seed}")
-        global_rng_touched = not torch.equal(torch.random.get_rng_state(), state)
-        if not isinstance(got, (tuple, list)) or len(got) != 2:
-            raise ExerciseFailed(f"{what} returned a {type_name(got)}: return the pair (train, val)")
-        if _indices(got[0]) is None or _indices(got[1]) is None:
-            kinds = ", ".join(type_name(g) for g in got)
-            raise ExerciseFailed(f"{what} returned ({kinds}), expected two torch.utils.data.Subset, as random_split gives")
-        expected = make_split(dataset, fractions, seed)
-        sizes, expected_sizes = [len(g) for g in got], [len(e) for e in expected]
-        if sizes != expected_sizes:
-            if sizes == expected_sizes[::-1]:
-                hint = ": swapped? return (train, val) in the order of fractions"
-            elif sum(sizes) == n:
-                hint = ": pass the fractions to random_split as they are; it turns them into sizes itself"
-            else:
-                hint = ""
-            raise ExerciseFailed(f"{what}: expected sizes {expected_sizes}, got {sizes}{hint}")
-        again = call(fn, dataset, fractions, seed, shown=f"dataset of {n}, {fractions}, seed={seed}")
-        if [_indices(g) for g in got] != [_indices(g) for g in again]:
-            raise ExerciseFailed(
-                f"{what}: two calls with the same seed gave different splits: pass generator=torch.Generator().manual_seed(seed) to random_split"
-            )
-        if global_rng_touched:
-            raise ExerciseFailed(
-                f"{what} changed torch's global random state (torch.manual_seed?): give random_split a generator of its own instead"
-            )
-        if [_indices(g) for g in got] != [_indices(e) for e in expected]:
-            raise ExerciseFailed(
-                f"{what}: not the split random_split(dataset, fractions, generator=torch.Generator().manual_seed(seed)) makes"
-            )
-        if [got[0][i] for i in range(len(got[0]))] != [dataset[i] for i in got[0].indices]:
-            raise ExerciseFailed(f"{what}: the train Subset does not index the dataset it was given")
+def _imbalanced_labels() -> torch.Tensor:
+    """61 labels in 12 classes (3 and 6 absent), from 24 samples of class 0 down to a class with 1; classes 4 and 5 tie."""
+    counts = {0: 24, 1: 9, 2: 2, 4: 4, 5: 4, 7: 6, 8: 3, 9: 2, 10: 6, 11: 1}
+    labels = torch.cat([torch.full((k,), c) for c, k in counts.items()])
+    return labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(5))]
 
 
-@exercise("class_weights_for")
-def check_class_weights_for(fn) -> None:
-    generator = torch.Generator().manual_seed(4)
-    cases = [
-        torch.tensor([0, 0, 0, 1, 2, 2]),
-        torch.tensor([3, 1, 1, 3, 3, 3, 1]),  # classes 0 and 2 absent
-        torch.randint(0, 10, (200,), generator=generator) % torch.tensor([10, 3]).repeat(100),  # imbalanced
-    ]
-    for labels in cases:
-        what = f"class_weights_for(labels {labels.tolist()[:8]}{'...' if len(labels) > 8 else ''})"
-        got = call(fn, labels.clone())
-        expected = class_weights_for(labels)
-        if isinstance(got, torch.Tensor) and got.ndim == 1 and len(got) != len(labels) and len(got) <= labels.max() + 1:
-            raise ExerciseFailed(
-                f"{what}: got {len(got)} weights, one per class; WeightedRandomSampler needs one per sample: index them with [labels]"
-            )
-        expect_shape(got, expected.shape, what=what)
-        if not got.is_floating_point():
-            raise ExerciseFailed(f"{what}: got dtype {got.dtype}: weights are fractions; use true division 1 / count, not //")
-        # Any constant multiple samples the same, so compare shares of the total.
-        share, expected_share = got.double() / got.double().sum(), expected.double() / expected.double().sum()
-        counts = torch.bincount(labels)[labels].double()
-        if torch.allclose(share, counts / counts.sum()):
-            raise ExerciseFailed(f"{what}: the weights grow with the class count; a rare class needs a large weight: use 1 / count")
-        if torch.allclose(share, torch.full_like(share, 1 / len(labels))):
-            raise ExerciseFailed(f"{what}: every sample got the same weight; weigh each by 1 / (count of its class)")
-        expect_tensor(share, expected_share, what=f"{what}, as shares of the total", check_dtype=False)
+def _drawn(loader: DataLoader, what: str) -> list[int]:
+    """The dataset indices one epoch of loader yields (the dataset's items are (index, label))."""
+
+    def one_epoch(loader):
+        return [batch for batch in loader]
+
+    batches = call(one_epoch, loader, name="one epoch of your loader", shown="")
+    drawn = []
+    for batch in batches:
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2 or not isinstance(batch[0], torch.Tensor):
+            raise ExerciseFailed(f"{what}: a batch is {_a(batch)}, expected the default collation [indices, labels]")
+        drawn += batch[0].tolist()
+    return drawn
 
 
 @exercise("balanced_loader")
 def check_balanced_loader(fn) -> None:
-    generator = torch.Generator().manual_seed(5)
-    labels = torch.cat([torch.zeros(40, dtype=torch.long), torch.ones(8, dtype=torch.long), torch.full((2,), 2)])
-    labels = labels[torch.randperm(len(labels), generator=generator)]
-    dataset = list(zip(torch.arange(len(labels)).tolist(), labels.tolist()))
-    what = "balanced_loader(dataset of 50 with classes 40/8/2, labels, batch_size=8, seed=0)"
-    shown = "dataset of 50, labels, batch_size=8, seed=0"
-    loader = call(fn, dataset, labels.clone(), 8, 0, shown=shown)
+    labels = _imbalanced_labels()
+    n = len(labels)
+    dataset = [(i, int(y)) for i, y in enumerate(labels)]
+    batch_size, seed = 8, 3
+    what = f"balanced_loader(dataset of {n} in 10 classes, labels, batch_size={batch_size}, seed={seed})"
+    shown = f"dataset of {n}, labels, batch_size={batch_size}, seed={seed}"
+    given = labels.clone()
+    state = torch.random.get_rng_state()
+    loader = call(fn, dataset, given, batch_size, seed, shown=shown)
+    built_twice = call(fn, dataset, labels.clone(), batch_size, seed, shown=shown)
+    global_rng_touched = not torch.equal(torch.random.get_rng_state(), state)
     if not isinstance(loader, DataLoader):
-        raise ExerciseFailed(f"{what} returned a {type_name(loader)}, expected a torch.utils.data.DataLoader")
+        raise ExerciseFailed(f"{what} returned {_a(loader)}, expected a torch.utils.data.DataLoader")
+    if not torch.equal(given, labels):
+        raise ExerciseFailed(f"{what} changed the labels it was given")
     if loader.dataset is not dataset:
         raise ExerciseFailed(f"{what}: the DataLoader does not wrap the dataset it was given")
-    expect_equal(loader.batch_size, 8, what=f"{what}: its batch_size")
-    sampler = loader.sampler
+    # A BatchSampler passed as batch_sampler= holds the batch size and the sampler instead of the loader.
+    by_batch_sampler = loader.batch_size is None and loader.batch_sampler is not None
+    expect_equal(getattr(loader.batch_sampler, "batch_size", None) if by_batch_sampler else loader.batch_size, batch_size,
+                 what=f"{what}: its batch_size", returned=False)
+    sampler = getattr(loader.batch_sampler, "sampler", None) if by_batch_sampler else loader.sampler
     if isinstance(sampler, RandomSampler):
-        raise ExerciseFailed(f"{what}: its sampler is a RandomSampler (shuffle=True); pass sampler=WeightedRandomSampler(...) instead")
+        raise ExerciseFailed(f"{what}: its sampler is a RandomSampler (shuffle=True), which keeps the imbalance; use a WeightedRandomSampler")
     if not isinstance(sampler, WeightedRandomSampler):
-        raise ExerciseFailed(f"{what}: its sampler is a {type(sampler).__name__}, expected a WeightedRandomSampler (pass sampler=...)")
+        raise ExerciseFailed(f"{what}: its sampler is a {type_name(sampler)}, expected a WeightedRandomSampler (pass sampler=...)")
+    weights = sampler.weights.double()
+    counts = torch.bincount(labels).double()
+    if weights.shape != (n,):
+        if len(weights) == len(counts) or len(weights) == len(labels.unique()):
+            raise ExerciseFailed(f"{what}: the sampler has {len(weights)} weights, one per class; it needs one per sample ({n})")
+        raise ExerciseFailed(f"{what}: the sampler has {len(weights)} weights, expected one per sample ({n})")
+    share = weights / weights.sum()
+    expected = 1 / counts[labels]
+    if torch.allclose(share, counts[labels] / counts[labels].sum()):
+        raise ExerciseFailed(f"{what}: the weights grow with the class's count; a rare class needs a large weight")
+    if torch.allclose(share, torch.full_like(share, 1 / n)):
+        raise ExerciseFailed(f"{what}: every sample has the same weight, which keeps the imbalance")
+    if not torch.allclose(share, expected / expected.sum()):
+        i = int((share - expected / expected.sum()).abs().argmax())
+        c = int(labels[i])
+        raise ExerciseFailed(
+            f"{what}: the weights do not give every class the same total: e.g. sample {i} (class {c}, {int(counts[c])} samples) "
+            f"gets {share[i].item():.4f} of the total, expected {(expected[i] / expected.sum()).item():.4f}"
+        )
     if not sampler.replacement:
         raise ExerciseFailed(f"{what}: replacement=False draws each sample at most once, so the rare classes run out: use replacement=True")
-    if sampler.num_samples != len(labels):
-        raise ExerciseFailed(f"{what}: num_samples is {sampler.num_samples}; one epoch should draw len(dataset) = {len(labels)} samples")
-    expected = class_weights_for(labels).double()
-    weights = sampler.weights.double()
-    if weights.shape != expected.shape or not torch.allclose(weights / weights.sum(), expected / expected.sum()):
-        raise ExerciseFailed(f"{what}: the sampler's weights are not 1 / (count of each sample's class); use class_weights_for(labels)")
-    second = call(fn, dataset, labels.clone(), 8, 0, shown=shown)
-    if list(loader.sampler) != list(second.sampler):
-        raise ExerciseFailed(
-            f"{what}: two loaders made with the same seed drew different samples: give the sampler generator=torch.Generator().manual_seed(seed)"
-        )
+    if sampler.num_samples != n:
+        raise ExerciseFailed(f"{what}: the sampler draws {sampler.num_samples} samples per epoch; an epoch should draw len(labels) = {n}")
+    if global_rng_touched:
+        raise ExerciseFailed(f"{what} changed torch's global random state (torch.manual_seed?): give the sampler a torch.Generator of its own")
+    first, second = _drawn(loader, what), _drawn(built_twice, what)
+    if len(first) != n:
+        drops = getattr(loader.batch_sampler, "drop_last", False) if by_batch_sampler else loader.drop_last
+        hint = ": drop_last=True drops the last, smaller batch" if drops else ""
+        raise ExerciseFailed(f"{what}: one epoch yielded {len(first)} samples, expected {n}{hint}")
+    if first != second:
+        if sampler.generator is None and loader.generator is not None:
+            raise ExerciseFailed(
+                f"{what}: two loaders made with the same seed drew different samples: the DataLoader's generator does not "
+                "reach a sampler you pass in; give the WeightedRandomSampler the generator"
+            )
+        raise ExerciseFailed(f"{what}: two loaders made with the same seed drew different samples: seed the sampler's own generator with seed")
+    other = call(fn, dataset, labels.clone(), batch_size, seed + 1, shown=shown)
+    if _drawn(other, what) == first:
+        raise ExerciseFailed(f"{what}: seeds {seed} and {seed + 1} drew the same samples: the draws must depend on seed")
+
+
+# ---- time_epoch ---------------------------------------------------------------------------------
+
+
+class _Sleepy(Dataset):
+    """n items (tensor(i)) that each take `delay` seconds to load; counts the reads and the time they took."""
+
+    def __init__(self, n: int, delay: float):
+        self.n, self.delay = n, delay
+        self.reads = 0
+        self.seconds = 0.0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        start = time.perf_counter()
+        if self.delay:
+            time.sleep(self.delay)
+        self.reads += 1
+        self.seconds += time.perf_counter() - start
+        return torch.tensor(index)
+
+
+class _SleepyStep:
+    """A training step that takes `delay` seconds; records the batches it was given and the time it took."""
+
+    def __init__(self, delay: float):
+        self.delay = delay
+        self.batches: list[list[int]] = []
+        self.seconds = 0.0
+
+    def __call__(self, batch: Any) -> None:
+        start = time.perf_counter()
+        self.batches.append(batch.tolist() if isinstance(batch, torch.Tensor) else batch)
+        time.sleep(self.delay)
+        self.seconds += time.perf_counter() - start
+
+
+def _within(got: float, truth: float, other: float) -> bool:
+    """got measures truth, give or take timer noise: never much less, and at most a little more (never the other part)."""
+    return truth * 0.97 - 0.002 <= got <= truth * 1.25 + 0.25 * other + 0.015
+
+
+def _at_most(got: float, limit: float) -> bool:
+    return got <= limit * 1.25 + 0.015
+
+
+@exercise("time_epoch")
+def check_time_epoch(fn) -> None:
+    # A slow loader with a quick step, then a quick loader with a slow step: each fault shows in one of them.
+    for n, item_delay, step_delay in ((7, 0.015, 0.002), (5, 0.0, 0.04)):
+        dataset, step = _Sleepy(n, item_delay), _SleepyStep(step_delay)
+        loader = DataLoader(dataset, batch_size=2)
+        n_batches = math.ceil(n / 2)
+        what = f"time_epoch(loader of {n_batches} batches, step)"
+        got = call(fn, loader, step, shown=f"loader of {n_batches} batches, step")
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise ExerciseFailed(f"{what} returned {_a(got)}: return the pair (load_seconds, step_seconds)")
+        expected_batches = [list(range(i, min(i + 2, n))) for i in range(0, n, 2)]
+        if dataset.reads > n:
+            raise ExerciseFailed(f"{what} read {dataset.reads} items from a dataset of {n}: go through the loader once, one epoch")
+        if step.batches != expected_batches:
+            if len(step.batches) != len(expected_batches):
+                raise ExerciseFailed(f"{what} called step {len(step.batches)} times, expected {len(expected_batches)}: once per batch, the last, smaller one too")
+            raise ExerciseFailed(f"{what} called step with {step.batches}, expected the loader's batches {expected_batches}, in order")
+        for value, name in zip(got, ("load_seconds", "step_seconds")):
+            if isinstance(value, torch.Tensor):
+                raise ExerciseFailed(f"{what}: {name} is a tensor, expected a Python float")
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ExerciseFailed(f"{what}: {name} is {_a(value)}, expected a float (seconds)")
+        load, stepping = float(got[0]), float(got[1])
+        truth_load, truth_step = dataset.seconds, step.seconds
+        ok_load, ok_step = _within(load, truth_load, truth_step), _within(stepping, truth_step, truth_load)
+        if ok_load and ok_step:
+            continue
+        expected = f"expected about ({truth_load:.3f}, {truth_step:.3f}) s, got ({load:.4g}, {stepping:.4g})"
+        if _within(load / 1000, truth_load, truth_step) and _within(stepping / 1000, truth_step, truth_load):
+            raise ExerciseFailed(f"{what}: {expected}: milliseconds? return seconds")
+        if _within(load, truth_step, truth_load) and _within(stepping, truth_load, truth_step):
+            raise ExerciseFailed(f"{what}: {expected}: the two are swapped; return (load_seconds, step_seconds)")
+        if _within(load * n_batches, truth_load, truth_step) or _within(stepping * n_batches, truth_step, truth_load):
+            raise ExerciseFailed(f"{what}: {expected}: an average per batch? return the totals over the epoch")
+        # Too much, but no more than both parts together: the excess can only be the other part's time.
+        if not ok_load and load > truth_load and _at_most(load, truth_load + truth_step):
+            raise ExerciseFailed(f"{what}: {expected}: the loading time includes time spent in step")
+        if not ok_step and stepping > truth_step and _at_most(stepping, truth_step + truth_load):
+            raise ExerciseFailed(f"{what}: {expected}: the step time includes time spent waiting for the loader")
+        raise ExerciseFailed(f"{what}: {expected}")
+
+
+# ---- parallel_loader ----------------------------------------------------------------------------
+
+
+def _token_sequences(n: int) -> list[tuple[torch.Tensor, int]]:
+    generator = torch.Generator().manual_seed(n)
+    return [(torch.randint(0, 9, (1 + i % 5,), generator=generator), i % 11) for i in range(n)]
+
+
+def _originals(case: str) -> DataLoader:
+    """A loader as a learner would have it, built afresh with the same seeds each time.
+
+    Its dataset and collate_fn are a list and a function of torch's, so that workers started by spawn
+    (macOS, Windows) can unpickle them: this module is loaded afresh for every check, and pickle
+    would not find its classes under their names.
+    """
+    if case == "shuffled":
+        return DataLoader(list(range(100, 123)), batch_size=4, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(11))
+    sampler = WeightedRandomSampler(torch.linspace(1, 3, 14), num_samples=14, generator=torch.Generator().manual_seed(12))
+    return DataLoader(_token_sequences(14), batch_size=3, sampler=sampler, collate_fn=default_convert)
+
+
+def _shut_down(loader: Any) -> None:
+    """Stop a loader's persistent worker processes now, rather than whenever it is garbage-collected."""
+    iterator = getattr(loader, "_iterator", None)  # private: the live iterator that owns the workers
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+
+
+@contextlib.contextmanager
+def _no_worker_count_warning() -> Iterator[None]:
+    """DataLoader warns when workers outnumber this machine's cores; that is the machine's business, not the answer's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        yield
+
+
+def _as_lists(value: Any) -> Any:
+    """Batches as nested Python lists, to compare them whole."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_as_lists(v) for v in value]
+    return value
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _loader_facts(loader: DataLoader) -> tuple:
+    """What a loader is made of, as ids of its parts and values of its settings."""
+    return (id(loader.dataset), id(loader.sampler), id(loader.batch_sampler), id(loader.collate_fn), id(loader.generator),
+            loader.batch_size, loader.drop_last, loader.num_workers, loader.persistent_workers)
+
+
+def _epoch_of(loader: DataLoader, original: DataLoader, what: str) -> list:
+    """One epoch of the learner's loader; an error, a worker's included, becomes one line."""
+    try:
+        return [batch for batch in loader]
+    except Exception as err:  # noqa: BLE001 -- raised by torch for the loader the learner built
+        text = str(err)
+        lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+        if text.startswith("Caught ") and len(lines) > 1:
+            said = f"raised in a worker process {lines[-1]}"  # the worker's own error, at the end of its traceback
+        else:
+            said = f"raised {type(err).__name__}: {lines[0] if lines else '(no message)'}"
+        hint = ""
+        if loader.collate_fn is not original.collate_fn and "collate" in text:
+            hint = ": it batches with another collate_fn than the loader's"
+        raise ExerciseFailed(f"{what}: one epoch of it {said}{hint}") from None
+
+
+def _check_parallel(fn, case: str, workers: int, run: bool) -> None:
+    original, twin = _originals(case), _originals(case)
+    facts = _loader_facts(original)
+    what = f"parallel_loader(loader ({case}), workers={workers})"
+    with _no_worker_count_warning():
+        got = call(fn, original, workers, shown=f"loader ({case}), workers={workers}")
+    try:
+        if got is original:
+            raise ExerciseFailed(f"{what} returned the loader it was given: return a new DataLoader")
+        if _loader_facts(original) != facts:
+            raise ExerciseFailed(f"{what} changed the loader it was given: build a new DataLoader and leave that one as it is")
+        if not isinstance(got, DataLoader):
+            raise ExerciseFailed(f"{what} returned {_a(got)}, expected a torch.utils.data.DataLoader")
+        if got.num_workers != workers:
+            raise ExerciseFailed(f"{what}: num_workers is {got.num_workers}, expected {workers}")
+        if not got.persistent_workers:
+            raise ExerciseFailed(f"{what}: the workers stop after every epoch and restart at the next: keep them (persistent_workers=True)")
+        if not run:
+            return
+        with _no_worker_count_warning():
+            first = _epoch_of(got, original, what)
+            _epoch_of(got, original, what)  # a second epoch runs on the same workers
+        expected = [batch for batch in twin]
+        if len(first) != len(expected):
+            if len(first) == len(expected) + 1 and original.drop_last:
+                raise ExerciseFailed(f"{what}: {len(first)} batches, expected {len(expected)}: the loader drops the last, smaller batch (drop_last)")
+            raise ExerciseFailed(f"{what}: the first epoch has {len(first)} batches, expected {len(expected)}")
+        got_batches, expected_batches = _as_lists(first), _as_lists(expected)
+        if got_batches != expected_batches:
+            same_items = sorted(map(str, got_batches)) == sorted(map(str, expected_batches))
+            if got.sampler is not original.sampler and isinstance(got.sampler, RandomSampler):
+                raise ExerciseFailed(f"{what}: the first epoch comes in another order: shuffle=True makes a new sampler; keep the loader's")
+            uses_sampler = got.sampler is original.sampler or getattr(got.batch_sampler, "sampler", None) is original.sampler
+            if uses_sampler and original.generator is not None and got.generator is not original.generator:
+                raise ExerciseFailed(
+                    f"{what}: the first epoch comes in another order: the loader draws a seed for its workers from its "
+                    "generator before it shuffles, so the new loader needs the same generator"
+                )
+            if not uses_sampler and not same_items:
+                raise ExerciseFailed(f"{what}: the first epoch's batches differ from the loader's: keep its sampler")
+            i = next(i for i, (a, b) in enumerate(zip(got_batches, expected_batches)) if a != b)
+            raise ExerciseFailed(f"{what}: batch {i} of the first epoch is {_short(got_batches[i])}, expected {_short(expected_batches[i])}")
+    finally:
+        _shut_down(got)
+
+
+@exercise("parallel_loader")
+def check_parallel_loader(fn) -> None:
+    try:
+        _check_parallel(fn, "shuffled", workers=3, run=False)
+        _check_parallel(fn, "shuffled", workers=2, run=True)
+        _check_parallel(fn, "weighted sampler, own collate_fn", workers=1, run=True)  # 1: spawn starts each worker slowly
+    finally:
+        multiprocessing.active_children()  # reaps any worker that has exited
