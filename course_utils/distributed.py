@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -276,17 +277,64 @@ def _stop_tree(proc: subprocess.Popen) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def torchrun(module: str, nproc: int = 2, args: Sequence[str] = (), timeout: float = 120.0) -> subprocess.CompletedProcess:
-    """Run `python -m torch.distributed.run --standalone --nproc-per-node=N -m module args`; return the finished process."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", module, *args]
+def torchrun(target: str | os.PathLike, nproc: int = 2, args: Sequence[str] = (), timeout: float = 120.0,
+             cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """Run `torchrun --standalone --nproc-per-node=N target args` (target: a script's path, or a module name run
+    with -m); return the finished process. It dies with this process, even one killed with SIGKILL (Linux)."""
+    from course_utils.tooling.runner import guarded
+
+    script = str(target).endswith(".py") or isinstance(target, os.PathLike)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               *([] if script else ["-m"]), str(target), *args]
     env = {**os.environ, **_CHILD_ENV}
+    folder = Path(cwd) if cwd is not None else Path(__file__).resolve().parent.parent
     # start_new_session: on a timeout, the launcher and every rank it started are killed together.
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                          start_new_session=True, cwd=Path(__file__).resolve().parent.parent) as proc:
+    with subprocess.Popen(guarded(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True, cwd=folder) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             _stop_tree(proc)
             out, err = proc.communicate()
-            raise TimeoutError(f"torchrun {module} did not finish within {timeout:g} s; it was killed. Last output: {out[-500:]}{err[-500:]}") from None
+            raise TimeoutError(f"torchrun {target} did not finish within {timeout:g} s; it was killed. Last output: {out[-500:]}{err[-500:]}") from None
+        except BaseException:
+            _stop_tree(proc)   # Ctrl-C, or a check's time limit: never leave torchrun or a rank behind
+            raise
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def first_failure(finished: subprocess.CompletedProcess) -> str:
+    """One line for a torchrun that failed: the first failed rank, as torchrun names it, and that rank's exception."""
+    root = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", finished.stderr, re.S)
+    rank = root.group(1) if root else None
+    errors = re.findall(r"^\[rank(\d+)\]: (\w+(?:Error|Exception|Interrupt|Exit)\b.*)$", finished.stderr, re.M)
+    if not errors:  # raised before init_process_group, which prefixes each traceback line with [rankN]:
+        errors = [(rank, line) for line in finished.stderr.splitlines() if re.match(r"^\w+(Error|Exception)\b", line)]
+    error = next((line for r, line in errors if r == rank), errors[0][1] if errors else None)
+    return (f"rank {rank} failed first" if rank is not None else "a rank failed") + (f": {error.strip()}" if error else "")
+
+
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def aborted_on_exit(finished: subprocess.CompletedProcess) -> bool:
+    """True when torchrun failed only because a rank aborted as its process exited, after its Python code had ended.
+
+    gloo's shutdown races with the exit of a process whose peer is closing its connections at that
+    moment: about one launch in ten on a 2-core machine, a rank dies there with EXIT_ABORT, after the
+    script has done all its work (its output and files are complete).
+    """
+    ranks_errors = re.search(r"^(\[rank\d+\]: )?\w+(Error|Exception)\b", finished.stderr, re.M)  # a rank's own error
+    return finished.returncode != 0 and EXIT_ABORT in finished.stderr and not ranks_errors
+
+
+def print_outcome(finished: subprocess.CompletedProcess) -> None:
+    """Print what the ranks printed; a failed launch as one line naming the first failed rank; an abort on exit as a note on stderr."""
+    if finished.returncode == 0 or aborted_on_exit(finished):
+        print(finished.stdout, end="")
+        if finished.returncode:
+            print(f"torchrun exit code {finished.returncode}: a rank aborted as it exited, after its work ({EXIT_ABORT}); "
+                  "a race in gloo's shutdown, not in the script", file=sys.stderr)
+        return
+    print(f"torchrun exit code {finished.returncode}, {first_failure(finished)}")
+

@@ -17,19 +17,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from course_utils.data import classification_datasets
-
-
-def make_model() -> nn.Module:
-    """The lesson's digits classifier: 64 pixels -> 10 classes."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+from course_utils.ddp_models import held_out_digits, make_model, training_digits
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank: the global batch is world_size times this")
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--out", default="ddp_digits.pt", help="where rank 0 saves the trained weights")
     args = parser.parse_args()
 
@@ -47,14 +42,13 @@ def main() -> None:
     is_main = rank == 0                              # rank 0 alone logs and saves
 
     # 2. Data: every rank reads the dataset; the sampler hands each rank its own share of the indices.
-    train_set, test_set, _ = classification_datasets("digits")
+    train_set = training_digits()
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)   # no shuffle=True: the sampler shuffles
 
     # 3. Model: DDP broadcasts rank 0's initial weights, then all-reduces the gradients in every backward.
-    torch.manual_seed(0)
-    model = DDP(make_model().to(device), device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    model = DDP(make_model(seed=0).to(device), device_ids=[local_rank] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     loss_fn = nn.CrossEntropyLoss()
 
     shares = [None] * world_size
@@ -78,7 +72,7 @@ def main() -> None:
         if is_main:
             model.eval()                             # evaluate the plain module: no DDP, no collectives
             with torch.no_grad():
-                inputs, targets = test_set.tensors
+                inputs, targets = held_out_digits()
                 accuracy = (model.module(inputs.to(device)).argmax(1) == targets.to(device)).float().mean().item()
             print(f"epoch {epoch + 1}/{args.epochs}: train loss {totals[0] / totals[1]:.4f} over {int(totals[1])} samples, "
                   f"test accuracy {accuracy:.2%}")

@@ -224,3 +224,73 @@ def test_a_lesson_ends_with_its_scoreboard():
     nb.cells[-1].source = "lesson02.scoreboard()"
     with pytest.raises(BuildError, match=r"lesson01\.scoreboard\(\)"):
         tag_source(nb)
+
+
+SCRIPT_CELL = '''%%writefile {folder}/train_digits.py
+"""A script the learner completes."""
+import sys
+
+
+def main():
+    ### BEGIN SOLUTION
+    print("trained", sys.argv[1:])
+    ### END SOLUTION
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_a_writefile_cell_is_an_exercise_named_after_its_file():
+    nb = _notebook(new_code_cell(SCRIPT_CELL), new_code_cell("lesson09.check_train_digits(train_digits)"))
+    assert tag_source(nb) == ["train_digits"]
+    assert nb.cells[0].metadata["tags"] == ["exercise:train_digits"]
+    assert nb.cells[1].metadata["tags"] == ["check:train_digits"]
+
+
+def test_a_writefile_exercise_may_append_and_quote_its_path():
+    for first in ("%%writefile -a {folder}/train_digits.py", "%%writefile '/tmp/x/train_digits.py'"):
+        nb = _notebook(new_code_cell(SCRIPT_CELL.replace("%%writefile {folder}/train_digits.py", first)),
+                       new_code_cell("lesson09.check_train_digits(train_digits)"))
+        assert tag_source(nb) == ["train_digits"]
+
+
+def test_a_writefile_exercise_needs_a_python_name_and_one_path():
+    for first, message in [("%%writefile {folder}/train-digits.py", "'train-digits' must be a Python name"),
+                           ("%%writefile", "needs one file to write")]:
+        nb = _notebook(new_code_cell(SCRIPT_CELL.replace("%%writefile {folder}/train_digits.py", first)))
+        with pytest.raises(BuildError, match=message):
+            tag_source(nb)
+
+
+def test_a_writefile_exercise_without_its_check_cell_is_refused():
+    nb = _notebook(new_code_cell(SCRIPT_CELL), new_code_cell("print('no check')"))
+    with pytest.raises(BuildError, match=r"every exercise needs exactly one check cell.*\['train_digits'\]"):
+        tag_source(nb)
+
+
+def test_the_learner_copy_of_a_writefile_exercise_is_a_runnable_skeleton(tmp_path):
+    """The magic line stays, the script's solution becomes the stub, and the script runs up to that stub."""
+    import subprocess
+    import sys
+
+    nb = _notebook(new_code_cell(SCRIPT_CELL), new_code_cell("lesson09.check_train_digits(train_digits)"))
+    tag_source(nb)
+    learner = learner_copy(nb).cells[0]
+    assert learner.source.splitlines()[0] == "%%writefile {folder}/train_digits.py"
+    assert learner.metadata == {"tags": ["exercise:train_digits"]}
+    script = learner.source.split("\n", 1)[1]
+    assert 'print("trained"' not in script and "    raise NotImplementedError()" in script
+    path = tmp_path / "train_digits.py"
+    path.write_text(script)
+    ran = subprocess.run([sys.executable, str(path)], capture_output=True, text=True)
+    assert ran.returncode == 1 and ran.stderr.strip().splitlines()[-1] == "NotImplementedError"
+
+
+def test_a_script_without_a_function_around_its_solution_is_refused():
+    source = "%%writefile {folder}/flat.py\nimport sys\n### BEGIN SOLUTION\nprint(1)\n### END SOLUTION\n"
+    nb = _notebook(new_code_cell(source), new_code_cell("lesson09.check_flat(flat)"))
+    tag_source(nb)  # named after the file
+    with pytest.raises(BuildError, match="must sit inside a function body"):
+        learner_copy(nb)

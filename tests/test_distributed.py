@@ -113,13 +113,51 @@ def test_ranks_exit_when_their_parent_is_killed():
     finally:
         parent.kill()
         parent.wait()
-    deadline = time.monotonic() + 10
+    alive = _still_running_after(pids, seconds=10)
+    assert not alive, f"rank processes {alive} outlived their parent"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's /proc and PR_SET_PDEATHSIG")
+def test_a_killed_kernel_takes_its_torchrun_along():
+    """torchrun started by distributed.torchrun ends when the process that started it is killed with SIGKILL."""
+    launch = "from course_utils import distributed\ndistributed.torchrun('course_utils.train_ddp', args=['--epochs', '200'], timeout=300)"
+    parent = subprocess.Popen([sys.executable, "-c", launch])
+    try:
+        deadline, launcher = time.monotonic() + 60, []
+        while not launcher and time.monotonic() < deadline:
+            time.sleep(0.3)
+            launcher = [pid for pid in _children_of(parent.pid) if "torch.distributed.run" in _command(pid)]
+        assert launcher, "torchrun did not start"
+    finally:
+        parent.kill()
+        parent.wait()
+    alive = _still_running_after(launcher, seconds=30)
+    assert not alive, "torchrun outlived the process that started it"
+
+
+def _still_running_after(pids: list[int], seconds: float) -> list[int]:
+    """Wait until none of pids runs, or `seconds` pass; SIGKILL and return those still running."""
+    deadline = time.monotonic() + seconds
     while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     alive = [pid for pid in pids if _running(pid)]
     for pid in alive:
         os.kill(pid, signal.SIGKILL)
-    assert not alive, f"rank processes {alive} outlived their parent"
+    return alive
+
+
+def _children_of(pid: int) -> list[int]:
+    from pathlib import Path
+
+    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if (distributed.process_status(int(p.name)) or (0,))[0] == pid]
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _running(pid: int) -> bool:
@@ -164,14 +202,51 @@ def test_print_rank_lines_orders_by_rank(capsys):
 def test_torchrun_runs_the_training_script(tmp_path):
     out = tmp_path / "weights.pt"
     finished = distributed.torchrun("course_utils.train_ddp", nproc=2, args=["--epochs", "1", "--out", str(out)], timeout=180)
-    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert finished.returncode == 0 or distributed.aborted_on_exit(finished), finished.stderr[-2000:]
     lines = finished.stdout.splitlines()
     assert lines[0].startswith("2 ranks, backend gloo")
     assert any(line.startswith("epoch 1/1: train loss") for line in lines)
     assert lines[-1] == "saved weights.pt"
-    from course_utils.train_ddp import make_model
+    from course_utils.ddp_models import make_model
 
     make_model().load_state_dict(torch.load(out, weights_only=True))
+
+
+FAILING_SCRIPT = """
+import torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    raise ValueError("rank one has no data")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_runs_a_script_in_its_folder_and_names_the_first_failure(tmp_path):
+    (tmp_path / "fails.py").write_text(FAILING_SCRIPT)
+    finished = distributed.torchrun("fails.py", nproc=2, cwd=tmp_path, timeout=120)
+    assert finished.returncode != 0
+    assert finished.args[-2:] == ["--nproc-per-node=2", "fails.py"]  # a script, not -m module
+    assert distributed.first_failure(finished) == "rank 1 failed first: ValueError: rank one has no data"
+
+
+def _finished(returncode: int, stdout: str = "", stderr: str = "") -> subprocess.CompletedProcess:
+    return subprocess.CompletedProcess(["torchrun"], returncode, stdout, stderr)
+
+
+def test_print_outcome_shows_the_output_a_failure_or_an_abort_on_exit(capsys):
+    distributed.print_outcome(_finished(0, "epoch 1\n"))
+    assert capsys.readouterr().out == "epoch 1\n"
+    abort = "terminate called without an active exception\n...\nRoot Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n"
+    assert distributed.aborted_on_exit(_finished(1, stderr=abort))
+    distributed.print_outcome(_finished(1, "epoch 1\n", abort))
+    shown = capsys.readouterr()
+    assert shown.out == "epoch 1\n" and "a rank aborted as it exited" in shown.err
+    failed = "[rank1]: ValueError: bad\nterminate called without an active exception\nRoot Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n"
+    assert not distributed.aborted_on_exit(_finished(1, stderr=failed))
+    assert not distributed.aborted_on_exit(_finished(1, stderr="KeyError: 'RANK'\n" + abort))  # raised before joining
+    distributed.print_outcome(_finished(1, "epoch 1\n", failed))
+    assert capsys.readouterr().out == "torchrun exit code 1, rank 1 failed first: ValueError: bad\n"
 
 
 def test_torchrun_timeout_kills_the_launcher_and_its_ranks():

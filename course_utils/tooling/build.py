@@ -1,7 +1,8 @@
 """Turn each source notebook (the solution copy) into the course's learner copy.
 
 Source: notebooks/solutions/NN_name.ipynb, with every solution inside a function
-body between `### BEGIN SOLUTION` and `### END SOLUTION`, a check cell that
+body between `### BEGIN SOLUTION` and `### END SOLUTION` (in a cell that defines that
+function, or in a `%%writefile <path>` cell, whose script is the exercise), a check cell that
 calls `lessonNN.check_<exercise>(...)`, and a last code cell `lessonNN.scoreboard()`.
 The learner copy, notebooks/NN_name.ipynb, has each solution replaced by
 `raise NotImplementedError()`, no outputs, the exercise tags the checker reads,
@@ -11,7 +12,7 @@ copies live in work/ (course_utils.tooling.workspace), which no build touches.
 
 import copy
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from course_utils.tooling.layout import learner_path, lesson_of_path, source_notebooks, write_atomic
 
@@ -19,6 +20,7 @@ BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 CHECK_CALL = re.compile(r"^lesson\d+\.check_(\w+)\(", re.MULTILINE)  # a top-level call; one inside try: is a demo
 DEF = re.compile(r"^def (\w+)\(", re.MULTILINE)
+WRITEFILE = "%%writefile"  # a cell that writes a script: the exercise is named after the file's stem
 OWN_TAGS = ("check:", "exercise:")
 SOURCE_ONLY_TAGS = ("nbval-ignore-output", "nbval-check-output")  # output checks: solution copy only
 
@@ -56,9 +58,26 @@ def solution_blocks(source: str) -> list[str]:
     return re.findall(rf"{re.escape(BEGIN)}\n(.*?)\n[ \t]*{re.escape(END)}", source, re.DOTALL)
 
 
+def script_name(source: str) -> str | None:
+    """The exercise name of a `%%writefile [-a] <path>` cell: the file's stem (`{folder}/train.py` -> train); else None."""
+    first = source.lstrip().split("\n", 1)[0].split()
+    if not first or first[0] != WRITEFILE:
+        return None
+    paths = [word for word in first[1:] if word not in ("-a", "--append")]
+    if len(paths) != 1:
+        raise BuildError(f"a {WRITEFILE} exercise needs one file to write, e.g. {WRITEFILE} {{folder}}/train.py")
+    stem = PurePosixPath(paths[0].strip("'\"")).stem
+    if not stem.isidentifier():
+        raise BuildError(f"a {WRITEFILE} exercise is named after its file, so {stem!r} must be a Python name, e.g. train_ddp.py")
+    return stem
+
+
 def exercise_tags(cell) -> list[str]:
     """The tags a code cell should carry: exercise:<name> on solution cells, check:<name> on check cells."""
     if BEGIN in cell.source:
+        script = script_name(cell.source)
+        if script:
+            return [f"exercise:{script}"]
         names = DEF.findall(cell.source)
         if len(names) != 1:
             raise BuildError(f"a solution cell must define exactly one top-level function, found {names or 'none'}")
