@@ -1,152 +1,456 @@
-"""Lesson 10's checks against the reference solutions and the wrong answers learners write; ONNX Runtime against eager."""
+"""Lesson 10's checks against the reference solutions, correct alternatives, and the wrong answers learners write;
+ONNX Runtime against eager."""
 
+import argparse
+import copy
 import pickle
+import re
 import warnings
+from pathlib import Path
 
+import nbformat
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
 
 from course_utils import lesson10 as L
-from lesson_contract import assert_names_fault, contract_tests
+from lesson_contract import assert_names_fault, assert_passes, contract_tests
 
 PAIRS = [
-    (L.check_load_for_inference, L.load_for_inference),
-    (L.check_predict_proba, L.predict_proba),
-    (L.check_export_for_serving, L.export_for_serving),
+    (L.check_load_for_serving, L.load_for_serving),
+    (L.check_serve_requests, L.serve_requests),
+    (L.check_export_from_request, L.export_from_request),
     (L.check_scale_if_raw, L.scale_if_raw),
-    (L.check_onnx_max_abs_diff, L.onnx_max_abs_diff),
+    (L.check_export_onnx, L.export_onnx),
 ]
 
+# export_onnx runs the real torch.onnx.export on the learner's code: a second or two on a laptop CPU.
 (test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line, test_hostile_answers_are_the_learners_fault,
- test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS, max_seconds=2.0)
+ test_checks_leave_the_learners_random_state_alone, test_checks_are_quick) = contract_tests(PAIRS, max_seconds=8.0)
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "10_export.ipynb"
 
 
-# Typical wrong answers, one function each.
+@pytest.fixture(autouse=True)
+def _safe_globals_restored():
+    """An answer may allowlist a class for the whole process (add_safe_globals); no other test may inherit it."""
+    before = torch.serialization.get_safe_globals()
+    yield
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(before)
+
+
+# ---- load_for_serving -----------------------------------------------------------------------------
+
+def _strip(state):
+    return {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in state.items()}
+
+
+def load_add_safe_globals(path, model):  # allowlists for the whole process; a prefix helper from torch
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    state = torch.load(path, map_location=torch.device("cpu"), weights_only=True)["model"]
+    for prefix in ("_orig_mod.", "module."):
+        nn.modules.utils.consume_prefix_in_state_dict_if_present(state, prefix)
+    model.load_state_dict(state)
+    model.eval()
+    return model
+
+
+def load_loop_and_train_false(path, model):
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        checkpoint = torch.load(path, map_location=lambda storage, location: storage)
+    state = {}
+    for key, value in checkpoint["model"].items():
+        for prefix in ("_orig_mod.", "module."):
+            if key.startswith(prefix):
+                key = key[len(prefix):]
+        state[key] = value
+    model.load_state_dict(state, strict=True)
+    return model.train(False)
+
+
+def load_regex_assign(path, model):
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    state = {re.sub(r"^(_orig_mod|module)\.", "", key): value for key, value in checkpoint["model"].items()}
+    model.load_state_dict(state, assign=True)
+    return model.eval()
+
+
+def load_into_a_copy(path, model):  # returns a loaded copy; the check judges what comes back
+    served = copy.deepcopy(model)
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        served.load_state_dict(_strip(torch.load(path, map_location="cpu")["model"]))
+    return served.eval()
+
 
 def load_unsafely(path, model):
-    model.load_state_dict(torch.load(path, weights_only=False))
+    model.load_state_dict(_strip(torch.load(path, map_location="cpu", weights_only=False)["model"]))
+    return model.eval()
+
+
+def load_without_allowlist(path, model):
+    model.load_state_dict(_strip(torch.load(path, map_location="cpu", weights_only=True)["model"]))
+    return model.eval()
+
+
+def load_without_map_location(path, model):
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        model.load_state_dict(_strip(torch.load(path, weights_only=True)["model"]))
+    return model.eval()
+
+
+def load_without_stripping(path, model):
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        model.load_state_dict(torch.load(path, map_location="cpu")["model"])
+    return model.eval()
+
+
+def load_strips_only_compile(path, model):
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        state = torch.load(path, map_location="cpu")["model"]
+    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state.items()})
+    return model.eval()
+
+
+def load_strips_first_part_always(path, model):
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        state = torch.load(path, map_location="cpu")["model"]
+    model.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items()})
+    return model.eval()
+
+
+def load_whole_checkpoint(path, model):
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        model.load_state_dict(torch.load(path, map_location="cpu"))
+    return model.eval()
+
+
+def load_non_strict(path, model):
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        model.load_state_dict(torch.load(path, map_location="cpu")["model"], strict=False)
     return model.eval()
 
 
 def load_in_train_mode(path, model):
-    model.load_state_dict(torch.load(path, weights_only=True))
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        model.load_state_dict(_strip(torch.load(path, map_location="cpu")["model"]))
     return model
 
 
-def load_returns_state_dict(path, model):
-    return torch.load(path, weights_only=True)
+def load_returns_state(path, model):
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        state = _strip(torch.load(path, map_location="cpu")["model"])
+    model.load_state_dict(state)
+    return state
 
 
 def load_returns_key_report(path, model):
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        state = _strip(torch.load(path, map_location="cpu")["model"])
     model.eval()
-    return model.load_state_dict(torch.load(path, weights_only=True))
-
-
-def load_forgets_to_load(path, model):
-    torch.load(path, weights_only=True)
-    return model.eval()
-
-
-def load_non_strict(path, model):  # strict=False ignores the payload key; torch.load has already refused it
-    model.load_state_dict(torch.load(path, weights_only=True), strict=False)
-    return model.eval()
+    return model.load_state_dict(state)
 
 
 def load_swallows_errors(path, model):
     try:
-        model.load_state_dict(torch.load(path, weights_only=True))
+        return L.load_for_serving(path, model)
     except pickle.UnpicklingError:
-        pass
-    return model.eval()
+        return model.eval()
 
 
-def load_raises_something_else(path, model):
+def load_raises_its_own_error(path, model):
     try:
-        model.load_state_dict(torch.load(path, weights_only=True))
+        return L.load_for_serving(path, model)
     except pickle.UnpicklingError:
         raise ValueError("unsafe file") from None
-    return model.eval()
 
 
-def load_with_default_weights_only(path, model):  # a correct alternative: weights_only=True is the default since 2.6
-    model.load_state_dict(torch.load(path))
-    model.eval()
-    return model
+LOAD_WRONG = [
+    (load_unsafely, "ran the code hidden in the file.*not loaded with weights_only=True"),
+    (load_without_allowlist, ("raised UnpicklingError: WeightsUnpickler error: Unsupported global: GLOBAL argparse.Namespace "
+                              "\\(.*safe_globals\\(\\[argparse.Namespace\\]\\)")),
+    (load_without_map_location, "raised RuntimeError: Attempting to deserialize object on .*saved on a GPU.*map_location"),
+    (load_without_stripping, "torch.compile'd model, model\\) raised RuntimeError: Missing key.*torch.compile's `_orig_mod.` prefix"),
+    (load_strips_only_compile, "DDP-wrapped model, model\\) raised RuntimeError.*DistributedDataParallel's `module.` prefix"),
+    (load_strips_first_part_always, "plain model, model\\) raised RuntimeError: Missing key"),
+    (load_whole_checkpoint, "whole checkpoint: the weights are under checkpoint\\['model'\\]"),
+    (load_non_strict, "weights are unchanged: none of the saved weights reached it"),
+    (load_in_train_mode, "returned the model in train mode"),
+    (load_returns_state, "returned a dict: load the weights into the model"),
+    (load_returns_key_report, "key report\\): return the model itself"),
+    (load_swallows_errors, "returned normally: let torch.load.*raise its UnpicklingError"),
+    (load_raises_its_own_error, "raised ValueError: unsafe file; expected pickle.UnpicklingError"),
+    (lambda path, model: None, "returned None: return the model"),
+]
 
 
-def proba_in_train_mode(model, batch):
-    with torch.inference_mode():
-        return model(batch).softmax(dim=1)
+def test_the_trap_never_runs_for_a_correct_answer_and_runs_for_an_unsafe_one(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "trap.pt"
+    torch.save({"w": torch.ones(2), "hook": L._Payload(marker)}, path)
+    with pytest.raises(pickle.UnpicklingError, match="Unsupported global"):
+        torch.load(path, weights_only=True)
+    assert not marker.exists()
+    torch.load(path, weights_only=False)
+    assert marker.exists()
 
 
-def proba_with_grad(model, batch):
-    model.eval()
-    return model(batch).softmax(dim=1)
+def test_the_checkpoint_looks_as_if_saved_on_a_gpu(tmp_path):
+    path = tmp_path / "gpu.pt"
+    L._save_as_if_on_gpu({"w": torch.ones(2)}, path)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="Attempting to deserialize object on a CUDA device"):
+            torch.load(path, weights_only=True)
+    assert torch.load(path, map_location="cpu", weights_only=True)["w"].device.type == "cpu"
+    torch.save({"w": torch.ones(2)}, tmp_path / "plain.pt")  # the real tagging is back
+    assert torch.load(tmp_path / "plain.pt", weights_only=True)["w"].device.type == "cpu"
 
 
-def proba_logits(model, batch):
-    model.eval()
-    with torch.inference_mode():
-        return model(batch)
+# ---- serve_requests --------------------------------------------------------------------------------
 
-
-def proba_log_softmax(model, batch):
-    model.eval()
-    with torch.inference_mode():
-        return model(batch).log_softmax(dim=1)
-
-
-def proba_wrong_dim(model, batch):
-    model.eval()
-    with torch.inference_mode():
-        return model(batch).softmax(dim=0)
-
-
-def proba_classes(model, batch):
-    model.eval()
-    with torch.inference_mode():
-        return model(batch).argmax(dim=1)
-
-
-def proba_train_then_eval(model, batch):  # a forward pass in train mode first: batch norm's statistics move
-    with torch.no_grad():
-        model(batch)
-    return L.predict_proba(model, batch)
-
-
-def proba_no_grad(model, batch):  # a correct alternative
+def serve_no_grad_split(model, requests, max_batch):
     model.eval()
     with torch.no_grad():
-        return torch.softmax(model(batch), dim=-1)
+        return torch.cat([F.softmax(model(chunk), dim=-1) for chunk in torch.stack(requests).split(max_batch)])
 
 
-def export_static(model, example):
-    return torch.export.export(model.eval(), (example,))
+def serve_while_loop(model, requests, max_batch):
+    model.train(False)
+    rows, i = [], 0
+    with torch.inference_mode():
+        while i < len(requests):
+            batch = torch.cat([r.unsqueeze(0) for r in requests[i:i + max_batch]])
+            rows.extend(model(batch).softmax(1))
+            i += max_batch
+    return torch.stack(rows)
 
 
-def export_train_mode(model, example):
-    return torch.export.export(model, (example,), dynamic_shapes=({0: Dim("batch", min=1)},))
+def serve_a_copy_and_restore(model, requests, max_batch):  # leaves the caller's model in its own mode
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            chunks = [requests[i:i + max_batch] for i in range(0, len(requests), max_batch)]
+            return torch.cat([torch.softmax(model(torch.stack(c)), dim=1) for c in chunks])
+    finally:
+        model.train(was_training)
 
 
-def export_module(model, example):
-    return L.export_for_serving(model, example).module()
+def serve_deepcopy(model, requests, max_batch):
+    served = copy.deepcopy(model).eval()
+    with torch.inference_mode():
+        return torch.cat([served(torch.stack(requests[i:i + max_batch])).softmax(dim=1) for i in range(0, len(requests), max_batch)])
 
 
-def export_dict_named_x(model, example):
-    return torch.export.export(model.eval(), (example,), dynamic_shapes={"x": {0: Dim("batch")}})
+def serve_one_by_one(model, requests, max_batch):
+    model.eval()
+    with torch.inference_mode():
+        return torch.cat([model(r.unsqueeze(0)).softmax(dim=1) for r in requests])
 
 
-def export_small_max(model, example):
-    return torch.export.export(model.eval(), (example,), dynamic_shapes=({0: Dim("batch", min=1, max=64)},))
+def serve_all_at_once(model, requests, max_batch):
+    model.eval()
+    with torch.inference_mode():
+        return model(torch.stack(requests)).softmax(dim=1)
 
 
-def export_auto(model, example):  # a correct alternative: Dim.DYNAMIC lets export infer the range
-    return torch.export.export(model.eval(), (example,), dynamic_shapes=({0: Dim.DYNAMIC},))
+def serve_drops_the_last_batch(model, requests, max_batch):
+    model.eval()
+    with torch.inference_mode():
+        full = len(requests) - len(requests) % max_batch or len(requests)
+        return torch.cat([model(torch.stack(requests[i:i + max_batch])).softmax(dim=1) for i in range(0, full, max_batch)])
+
+
+def serve_in_train_mode(model, requests, max_batch):
+    with torch.inference_mode():
+        return torch.cat([model(torch.stack(requests[i:i + max_batch])).softmax(dim=1) for i in range(0, len(requests), max_batch)])
+
+
+def serve_warm_up_in_train_mode(model, requests, max_batch):  # a warm-up pass in train mode moves batch norm's statistics
+    with torch.no_grad():
+        model(torch.stack(requests[:1]))
+    return L.serve_requests(model, requests, max_batch)
+
+
+def serve_logits(model, requests, max_batch):
+    model.eval()
+    with torch.inference_mode():
+        return torch.cat([model(torch.stack(requests[i:i + max_batch])) for i in range(0, len(requests), max_batch)])
+
+
+def serve_log_softmax(model, requests, max_batch):
+    model.eval()
+    with torch.inference_mode():
+        return torch.cat([model(torch.stack(requests[i:i + max_batch])).log_softmax(1) for i in range(0, len(requests), max_batch)])
+
+
+def serve_softmax_over_batch(model, requests, max_batch):
+    model.eval()
+    with torch.inference_mode():
+        return torch.cat([model(torch.stack(requests[i:i + max_batch])).softmax(0) for i in range(0, len(requests), max_batch)])
+
+
+def serve_with_grad(model, requests, max_batch):
+    model.eval()
+    return torch.cat([model(torch.stack(requests[i:i + max_batch])).softmax(1) for i in range(0, len(requests), max_batch)]).detach()
+
+
+def serve_list(model, requests, max_batch):
+    model.eval()
+    with torch.inference_mode():
+        return [model(torch.stack(requests[i:i + max_batch])).softmax(1) for i in range(0, len(requests), max_batch)]
+
+
+def serve_reversed(model, requests, max_batch):
+    return L.serve_requests(model, requests[::-1], max_batch)
+
+
+def serve_pops_requests(model, requests, max_batch):
+    model.eval()
+    out = []
+    with torch.inference_mode():
+        while requests:
+            out.append(model(torch.stack([requests.pop(0) for _ in range(min(max_batch, len(requests)))])).softmax(1))
+    return torch.cat(out)
+
+
+SERVE_WRONG = [
+    (serve_one_by_one, "ran 10 forward passes where 3 are enough.*batch sizes \\[1, 1,"),
+    (serve_all_at_once, "a forward pass on 10 images, more than max_batch=4"),
+    (serve_drops_the_last_batch, "returned 8 rows for 10 requests: the last, partial batch of 2 is missing"),
+    (serve_in_train_mode, "ran the model in train mode, where batch norm uses and updates each batch's own statistics"),
+    (serve_warm_up_in_train_mode, "ran the model in train mode"),
+    (serve_logits, "returned the logits"),
+    (serve_log_softmax, "returned log-probabilities"),
+    (serve_softmax_over_batch, "the softmax ran over the batch \\(dim 0\\)"),
+    (serve_with_grad, "autograd recording a graph.*torch.inference_mode\\(\\)"),
+    (serve_list, "is a list, expected a torch.Tensor"),
+    (serve_reversed, "wrong values.*the right values in the wrong places"),
+    (serve_pops_requests, "changed the list of requests"),
+    (lambda model, requests, max_batch: None, "returned None"),
+]
+
+
+def test_the_serving_model_logs_its_copies_too():
+    log = L._Log()
+    model = L._Watched(L._small_cnn(1), log)
+    with torch.no_grad():
+        copy.deepcopy(model)(torch.rand(3, 1, 8, 8))
+    assert log == [(3, True, False)]
+
+
+def test_train_and_eval_mode_predict_differently_on_the_hidden_requests():
+    model = L._small_cnn(61, 12)
+    x = L._images(71, 10)
+    with torch.no_grad():
+        eval_out = model.eval()(x).softmax(1)
+        train_out = copy.deepcopy(model).train()(x[:4]).softmax(1)
+    assert (eval_out[:4] - train_out).abs().max() > 0.05
+
+
+# ---- export_from_request ----------------------------------------------------------------------------
+
+def export_expand(model, request):
+    examples = request.expand(2, -1, -1, -1)
+    return torch.export.export(model.eval(), (examples,), dynamic_shapes=({0: Dim("batch", min=1, max=1024)},))
+
+
+def export_repeat_dynamic(model, request):
+    model.eval()
+    return torch.export.export(model, (request.repeat(4, 1, 1, 1),), dynamic_shapes=({0: Dim.DYNAMIC},))
+
+
+def export_dict_named_input(model, request):  # nn.Sequential's forward calls its argument `input`
+    return torch.export.export(model.eval(), (torch.cat([request] * 3),), dynamic_shapes={"input": {0: Dim("n", max=4096)}})
+
+
+def export_size_oblivious(model, request):  # a private switch, but it does what the prompt asks
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        return torch.export.export(model.eval(), (request,), dynamic_shapes=({0: Dim("batch", min=1)},))
+
+
+def export_static(model, request):
+    return torch.export.export(model.eval(), (request,))
+
+
+def export_request_with_dim(model, request):
+    return torch.export.export(model.eval(), (request,), dynamic_shapes=({0: Dim("batch", min=1)},))
+
+
+def export_request_auto(model, request):
+    return torch.export.export(model.eval(), (request,), dynamic_shapes=({0: Dim.AUTO},))
+
+
+def export_request_dynamic(model, request):
+    return torch.export.export(model.eval(), (request,), dynamic_shapes=({0: Dim.DYNAMIC},))
+
+
+def export_pair_static(model, request):
+    return torch.export.export(model.eval(), (torch.cat([request, request]),))
+
+
+def export_small_max(model, request):
+    return torch.export.export(model.eval(), (torch.cat([request, request]),), dynamic_shapes=({0: Dim("batch", min=1, max=512)},))
+
+
+def export_train_mode(model, request):
+    return torch.export.export(model, (torch.cat([request, request]),), dynamic_shapes=({0: Dim("batch", min=1)},))
+
+
+def export_module(model, request):
+    return L.export_from_request(model, request).module()
+
+
+def export_dict_named_x(model, request):
+    return torch.export.export(model.eval(), (torch.cat([request, request]),), dynamic_shapes={"x": {0: Dim("batch")}})
+
+
+def export_changes_the_request(model, request):
+    request.clamp_(0, 0.5)
+    return L.export_from_request(model, request)
+
+
+EXPORT_WRONG = [
+    (export_static, "refuses a batch of 2 \\(Guard failed: input.size\\(\\)\\[0\\] == 1\\): its batch size is fixed at 1"),
+    (export_request_with_dim, "raised UserError: Constraints violated.*specializes sizes 0 and 1.*example of 2 or more"),
+    (export_request_auto, "its batch size is fixed at 1"),
+    (export_request_dynamic, "raised ValueError.*specializes sizes 0 and 1"),
+    (export_pair_static, "refuses a batch of 1 .*fixed at 2"),
+    (export_small_max, "refuses a batch of 1024 .*max is below"),
+    (export_train_mode, "exported the model in train mode.*export it in eval mode"),
+    (export_module, "returned a GraphModule \\(ep.module\\(\\)\\?\\): return the ExportedProgram itself"),
+    (export_dict_named_x, "raised UserError.*pass dynamic_shapes as a tuple"),
+    (export_changes_the_request, "modified its input in place"),
+    (lambda model, request: None, "returned None"),
+]
+
+
+def test_the_batch_one_example_really_fails_to_export_as_dynamic():
+    """The pitfall the exercise is built on, as torch 2.14 raises it."""
+    model = L._small_cnn(1).eval()
+    with L.quiet(), pytest.raises(Exception, match="specialized it to be a constant \\(1\\)"):
+        torch.export.export(model, (torch.rand(1, 1, 8, 8),), dynamic_shapes=({0: Dim("batch", min=1)},))
+
+
+# ---- scale_if_raw ------------------------------------------------------------------------------------
+
+def scale_cond(x):
+    return torch.cond(x.max() > 1, lambda t: t / 255, lambda t: t.clone(), (x,))
+
+
+def scale_arithmetic(x):
+    raw = (x.max() > 1).to(x.dtype)
+    return x / (1 + 254 * raw)
+
+
+def scale_multiply(x):
+    return x * torch.where(x.amax() > 1.0, 1 / 255, 1.0)
 
 
 def scale_python_if(x):
@@ -167,136 +471,263 @@ def scale_elementwise(x):
     return torch.where(x > 1, x / 255, x)
 
 
+def scale_per_image(x):
+    return torch.where(x.amax(dim=(1, 2, 3), keepdim=True) > 1, x / 255, x)
+
+
+def scale_only_at_255(x):
+    return torch.where(x.max() >= 255, x / 255, x)
+
+
+def scale_above_two(x):
+    return torch.where(x.max() > 2, x / 255, x)
+
+
+def scale_at_one(x):
+    return torch.where(x.max() >= 1, x / 255, x)
+
+
 def scale_cond_aliasing(x):
     return torch.cond(x.max() > 1, lambda t: t / 255, lambda t: t, (x,))
 
 
-def scale_cond(x):  # a correct alternative
-    return torch.cond(x.max() > 1, lambda t: t / 255, lambda t: t.clone(), (x,))
+def scale_in_place(x):
+    return torch.where(x.max() > 1, x.div_(255), x)
 
 
-def scale_arithmetic(x):  # a correct alternative, without a branch
-    raw = (x.max() > 1).to(x.dtype)
-    return x / (1 + 254 * raw)
-
-
-def diff_tensor_input(path, model, x):
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    (out,) = session.run(None, {session.get_inputs()[0].name: x})
-    return float(np.abs(out - model.eval()(x).detach().numpy()).max())
-
-
-def diff_float64(path, model, x):
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    (out,) = session.run(None, {session.get_inputs()[0].name: np.array(x.tolist())})
-    return float(np.abs(out - model.eval()(x).detach().numpy()).max())
-
-
-def diff_input_named_x(path, model, x):
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    (out,) = session.run(None, {"x": x.numpy()})
-    return float(np.abs(out - model.eval()(x).detach().numpy()).max())
-
-
-def diff_with_grad(path, model, x):
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
-    return float(np.abs(out - model.eval()(x).numpy()).max())
-
-
-def diff_train_mode(path, model, x):
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
-    with torch.inference_mode():
-        return float(np.abs(out - model(x).numpy()).max())
-
-
-def diff_signed(path, model, x):
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
-    with torch.inference_mode():
-        return float((out - model.eval()(x).numpy()).max())
-
-
-def diff_mean(path, model, x):
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
-    with torch.inference_mode():
-        return float(np.abs(out - model.eval()(x).numpy()).mean())
-
-
-def diff_numpy_scalar(path, model, x):
-    return np.float32(L.onnx_max_abs_diff(path, model, x))
-
-
-def diff_array(path, model, x):
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
-    with torch.inference_mode():
-        return np.abs(out - model.eval()(x).numpy())
-
-
-def diff_torch(path, model, x):  # a correct alternative: compare as tensors
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
-    model.eval()
-    with torch.no_grad():
-        return (torch.from_numpy(out) - model(x)).abs().max().item()
-
-
-WRONG = [
-    (L.check_load_for_inference, load_unsafely, "ran code hidden in a checkpoint.*weights_only=True"),
-    (L.check_load_for_inference, load_in_train_mode, "in train mode: call model.eval\\(\\)"),
-    (L.check_load_for_inference, load_returns_state_dict, "returned the state_dict itself.*load_state_dict"),
-    (L.check_load_for_inference, load_returns_key_report, "key report\\): return the model itself"),
-    (L.check_load_for_inference, load_forgets_to_load, "is not the saved value.*model.load_state_dict"),
-    (L.check_load_for_inference, load_swallows_errors, "returned normally.*do not catch it"),
-    (L.check_load_for_inference, load_raises_something_else, "raised ValueError, expected pickle.UnpicklingError"),
-    (L.check_load_for_inference, lambda path, model: None, "returned None"),
-    (L.check_load_for_inference, load_non_strict, None),
-    (L.check_load_for_inference, load_with_default_weights_only, None),
-    (L.check_predict_proba, proba_in_train_mode, "left the model in train mode.*model.eval\\(\\)"),
-    (L.check_predict_proba, proba_train_then_eval, "ran the model in train mode.*running statistics"),
-    (L.check_predict_proba, proba_with_grad, "autograd tracks.*torch.inference_mode\\(\\)"),
-    (L.check_predict_proba, proba_logits, "returned the logits.*softmax\\(dim=1\\)"),
-    (L.check_predict_proba, proba_log_softmax, "log-probabilities"),
-    (L.check_predict_proba, proba_wrong_dim, "each column sums to 1.*dim=1"),
-    (L.check_predict_proba, proba_classes, "returned class indices"),
-    (L.check_predict_proba, lambda model, batch: None, "returned None"),
-    (L.check_predict_proba, proba_no_grad, None),
-    (L.check_export_for_serving, export_static, "refuses a batch of 3.*frozen at 4.*dynamic_shapes"),
-    (L.check_export_for_serving, export_train_mode, "in train mode.*model.eval\\(\\) before exporting"),
-    (L.check_export_for_serving, export_module, "returned a GraphModule \\(ep.module\\(\\)\\?\\): return the ExportedProgram itself"),
-    (L.check_export_for_serving, export_dict_named_x, "raised UserError.*pass dynamic_shapes as a tuple"),
-    (L.check_export_for_serving, export_small_max, "refuses a batch of 300.*max is too small"),
-    (L.check_export_for_serving, lambda model, example: None, "returned None"),
-    (L.check_export_for_serving, export_auto, None),
-    (L.check_scale_if_raw, scale_python_if, "could not export scale_if_raw.*torch.where"),
-    (L.check_scale_if_raw, scale_item, "could not export scale_if_raw.*torch.where"),
-    (L.check_scale_if_raw, scale_always, "divided an already scaled batch by 255"),
-    (L.check_scale_if_raw, scale_elementwise, "0s and 1s of the raw batch were not divided.*x.max\\(\\) > 1"),
-    (L.check_scale_if_raw, scale_cond_aliasing, "raised UncapturedHigherOrderOpError.*return x.clone\\(\\)"),
-    (L.check_scale_if_raw, lambda x: None, "is None"),
-    (L.check_scale_if_raw, scale_cond, None),
-    (L.check_scale_if_raw, scale_arithmetic, None),
-    (L.check_onnx_max_abs_diff, diff_tensor_input, "raised RuntimeError.*pass x.numpy\\(\\)"),
-    (L.check_onnx_max_abs_diff, diff_float64, "wants float32"),
-    (L.check_onnx_max_abs_diff, diff_input_named_x, "session.get_inputs\\(\\)\\[0\\].name"),
-    (L.check_onnx_max_abs_diff, diff_with_grad, "torch.inference_mode\\(\\)"),
-    (L.check_onnx_max_abs_diff, diff_train_mode, "model.eval\\(\\).*dropout"),
-    (L.check_onnx_max_abs_diff, diff_signed, "largest signed difference.*absolute value"),
-    (L.check_onnx_max_abs_diff, diff_mean, "mean absolute difference: return the max"),
-    (L.check_onnx_max_abs_diff, diff_numpy_scalar, "returned a numpy.float32, expected a Python float"),
-    (L.check_onnx_max_abs_diff, diff_array, "returned an array of shape \\(9, 3\\)"),
-    (L.check_onnx_max_abs_diff, lambda path, model, x: None, "returned None"),
-    (L.check_onnx_max_abs_diff, diff_torch, None),
+SCALE_WRONG = [
+    (scale_python_if, "could not export scale_if_raw.*torch.where"),
+    (scale_item, "could not export scale_if_raw.*torch.where"),
+    (scale_always, "divided an already scaled batch by 255"),
+    (scale_elementwise, "0s and 1s of the raw batch were not divided.*x.max\\(\\) > 1"),
+    (scale_per_image, "an image of only 0s and 1s inside the raw batch was not divided"),
+    (scale_only_at_255, "values 0 to 200\\) returned the batch unchanged: its largest value is 200"),
+    (scale_above_two, "dark raw batch, values 0 to 2\\) returned the batch unchanged: its largest value is 2"),
+    (scale_at_one, "scaled batch, values in \\[0, 1\\]\\) divided an already scaled batch"),
+    (scale_cond_aliasing, "raised UncapturedHigherOrderOpError.*return x.clone\\(\\)"),
+    (scale_in_place, "modified its input in place"),
+    (lambda x: None, "is None"),
 ]
 
 
-@pytest.mark.parametrize("check, wrong, message", WRONG, ids=[f"{c.exercise_name}-{getattr(w, '__name__', 'lambda')}-{i}" for i, (c, w, m) in enumerate(WRONG)])
+# ---- export_onnx -------------------------------------------------------------------------------------
+
+def _worst(session, model, example, name="images"):
+    with torch.no_grad():
+        return max(float(np.abs(session.run(None, {name: x.numpy()})[0] - model(x).numpy()).max()) for x in (example[:1], example))
+
+
+def onnx_auto_and_no_grad(model, example, path):
+    model.eval()
+    torch.onnx.export(model, (example,), path, dynamic_shapes=({0: Dim.AUTO},), input_names=["images"],
+                      output_names=["logits"], external_data=False, verbose=False)
+    return _worst(ort.InferenceSession(path), model, example)
+
+
+def onnx_from_exported_program(model, example, path):
+    ep = torch.export.export(model.eval(), (example,), dynamic_shapes=({0: Dim("batch", min=1)},))
+    torch.onnx.export(ep, f=path, input_names=["images"], output_names=["logits"], external_data=False, verbose=False)
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    diffs = []
+    for x in (example, example[:1]):
+        with torch.inference_mode():
+            diffs.append((torch.from_numpy(session.run(["logits"], {"images": x.numpy()})[0]) - model(x)).abs().max().item())
+    return max(diffs)
+
+
+def onnx_string_dims_single_thread(model, example, path):
+    model.eval()
+    torch.onnx.export(model, (example,), path, dynamo=True, dynamic_shapes=({0: "batch"},),
+                      input_names=["images"], output_names=["logits"], external_data=False, verbose=False)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return _worst(ort.InferenceSession(path, options, providers=["CPUExecutionProvider"]), model, example)
+
+
+def onnx_program_save(model, example, path):
+    model.eval()
+    program = torch.onnx.export(model, (example,), dynamic_shapes=({0: Dim("batch")},), input_names=["images"],
+                                output_names=["logits"], verbose=False)
+    program.save(path, external_data=False)
+    return _worst(ort.InferenceSession(path), model, example)
+
+
+def _onnx_export(model, example, path, **overrides):
+    options = {"dynamo": True, "dynamic_shapes": ({0: Dim("batch", min=1)},), "input_names": ["images"],
+               "output_names": ["logits"], "external_data": False, "verbose": False}
+    options.update(overrides)
+    model.eval()
+    torch.onnx.export(model, (example,), path, **{k: v for k, v in options.items() if v is not None})
+
+
+def onnx_static(model, example, path):
+    _onnx_export(model, example, path, dynamic_shapes=None)
+    return 0.0
+
+
+def onnx_dynamic_axes(model, example, path):
+    _onnx_export(model, example, path, dynamic_shapes=None, dynamic_axes={"images": {0: "batch"}})
+    return 0.0
+
+
+def onnx_legacy(model, example, path):
+    _onnx_export(model, example, path, dynamo=False, dynamic_shapes=None, dynamic_axes={"images": {0: "batch"}}, verbose=None)
+    return 0.0
+
+
+def onnx_external_data(model, example, path):
+    _onnx_export(model, example, path, external_data=None)
+    return _worst(ort.InferenceSession(path), model, example)
+
+
+def onnx_unnamed_input(model, example, path):
+    _onnx_export(model, example, path, input_names=None)
+    return 0.0
+
+
+def onnx_unnamed_output(model, example, path):
+    _onnx_export(model, example, path, output_names=None)
+    return 0.0
+
+
+def onnx_never_eval(model, example, path):  # the file is right (the exporter warns and exports for inference); the comparison is not
+    torch.onnx.export(model, (example,), path, dynamic_shapes=({0: Dim("batch", min=1)},), input_names=["images"],
+                      output_names=["logits"], external_data=False, verbose=False)
+    return _worst(ort.InferenceSession(path), model, example)
+
+
+def onnx_feeds_a_tensor(model, example, path):
+    _onnx_export(model, example, path)
+    session = ort.InferenceSession(path)
+    return float(np.abs(session.run(None, {"images": example})[0] - model(example).detach().numpy()).max())
+
+
+def onnx_feeds_float64(model, example, path):
+    _onnx_export(model, example, path)
+    session = ort.InferenceSession(path)
+    return float(np.abs(session.run(None, {"images": np.array(example.tolist())})[0] - model(example).detach().numpy()).max())
+
+
+def onnx_dict_named_x(model, example, path):
+    _onnx_export(model, example, path, dynamic_shapes={"x": {0: Dim("batch")}})
+    return 0.0
+
+
+def onnx_compares_eager_with_eager(model, example, path):
+    _onnx_export(model, example, path)
+    with torch.no_grad():
+        return float((model(example) - model(example)).abs().max())
+
+
+def onnx_mean(model, example, path):
+    _onnx_export(model, example, path)
+    session = ort.InferenceSession(path)
+    with torch.no_grad():
+        return float(np.abs(session.run(None, {"images": example.numpy()})[0] - model(example).numpy()).mean())
+
+
+def onnx_compares_with_train_mode(model, example, path):
+    torch.onnx.export(copy.deepcopy(model).eval(), (example,), path, dynamic_shapes=({0: Dim("batch", min=1)},),
+                      input_names=["images"], output_names=["logits"], external_data=False, verbose=False)
+    return _worst(ort.InferenceSession(path), model, example)
+
+
+def onnx_numpy_scalar(model, example, path):
+    return np.float32(L.export_onnx(model, example, path))
+
+
+def onnx_tensor(model, example, path):
+    return torch.tensor(L.export_onnx(model, example, path))
+
+
+ONNX_WRONG = [
+    (onnx_static, "batch dimension is fixed at 5.*dynamic_shapes"),
+    (onnx_dynamic_axes, "used the old dynamic_axes spelling.*dynamic_shapes"),
+    (onnx_legacy, "legacy TorchScript-based exporter \\(dynamo=False\\)"),
+    (onnx_external_data, "wrote scorer.onnx.data beside the model.*external_data=False"),
+    (onnx_unnamed_input, "inputs are named \\['pixels'\\], expected \\['images'\\]"),
+    (onnx_unnamed_output, "outputs are named .*expected \\['logits'\\]"),
+    (onnx_never_eval, "returned .*, but ONNX Runtime and the model in eval mode differ by up to"),
+    (onnx_feeds_a_tensor, "raised RuntimeError: Input must be a list of dictionaries.*pass x.numpy\\(\\)"),
+    (onnx_feeds_float64, "raised InvalidArgument.*the file wants float32"),
+    (onnx_dict_named_x, "raised .*name the argument as forward\\(\\) does, or pass dynamic_shapes as a tuple"),
+    (onnx_compares_eager_with_eager, "returned 0, but ONNX Runtime and the model in eval mode differ by up to"),
+    (onnx_mean, "returned .*, but ONNX Runtime and the model in eval mode differ by up to"),
+    (onnx_compares_with_train_mode, "returned .*, but ONNX Runtime and the model in eval mode differ by up to"),
+    (onnx_numpy_scalar, "returned a numpy.float32: return a Python float"),
+    (onnx_tensor, "returned a tensor: return a Python float"),
+    (lambda model, example, path: None, "wrote no file at path"),
+]
+
+
+def test_export_onnx_without_a_return_value_is_told_to_return_one():
+    def exports_but_returns_nothing(model, example, path):
+        _onnx_export(model, example, path)
+
+    assert_names_fault(L.check_export_onnx, exports_but_returns_nothing, "returned None: return the largest absolute difference")
+
+
+def test_onnx_runtime_differs_measurably_from_eager_on_the_hidden_model(tmp_path):
+    """The hidden model's logits run to the hundreds, so 0 (eager against eager) and a mean are told apart from the max."""
+    model = L._Scorer(51).eval()
+    example = L._images(52, 5) * 4
+    path = str(tmp_path / "scorer.onnx")
+    worst = L.export_onnx(model, example, path)
+    session = ort.InferenceSession(path)
+    with torch.no_grad():
+        diff = np.abs(session.run(None, {"images": example.numpy()})[0] - model(example).numpy())
+    assert worst > 1e-6 and diff.mean() < 0.4 * worst
+
+
+# ---- every check: correct alternatives pass, typical wrong answers are named -------------------------
+
+ALTERNATIVES = [
+    (L.check_load_for_serving, load_add_safe_globals),
+    (L.check_load_for_serving, load_loop_and_train_false),
+    (L.check_load_for_serving, load_regex_assign),
+    (L.check_load_for_serving, load_into_a_copy),
+    (L.check_serve_requests, serve_no_grad_split),
+    (L.check_serve_requests, serve_while_loop),
+    (L.check_serve_requests, serve_a_copy_and_restore),
+    (L.check_serve_requests, serve_deepcopy),
+    (L.check_export_from_request, export_expand),
+    (L.check_export_from_request, export_repeat_dynamic),
+    (L.check_export_from_request, export_dict_named_input),
+    (L.check_export_from_request, export_size_oblivious),
+    (L.check_scale_if_raw, scale_cond),
+    (L.check_scale_if_raw, scale_arithmetic),
+    (L.check_scale_if_raw, scale_multiply),
+    (L.check_export_onnx, onnx_auto_and_no_grad),
+    (L.check_export_onnx, onnx_from_exported_program),
+    (L.check_export_onnx, onnx_string_dims_single_thread),
+    (L.check_export_onnx, onnx_program_save),
+]
+
+
+@pytest.mark.parametrize("check, answer", ALTERNATIVES, ids=[f"{c.exercise_name}-{a.__name__}" for c, a in ALTERNATIVES])
+def test_correct_alternatives_pass(check, answer):
+    assert_passes(check, answer)
+
+
+WRONG = [(check, *case) for check, cases in ((L.check_load_for_serving, LOAD_WRONG), (L.check_serve_requests, SERVE_WRONG),
+                                         (L.check_export_from_request, EXPORT_WRONG), (L.check_scale_if_raw, SCALE_WRONG),
+                                         (L.check_export_onnx, ONNX_WRONG))
+         for case in cases]
+
+
+@pytest.mark.parametrize("check, wrong, message", WRONG,
+                         ids=[f"{c.exercise_name}-{getattr(w, '__name__', 'lambda')}-{i}" for i, (c, w, _) in enumerate(WRONG)])
 def test_wrong_answers_name_the_fault(check, wrong, message):
     assert_names_fault(check, wrong, message)
 
+
+def test_each_check_has_enough_alternatives_and_wrong_answers():
+    for check, _ in PAIRS:
+        assert sum(c is check for c, _ in ALTERNATIVES) >= 3, check.exercise_name
+        assert sum(c is check for c, _, _ in WRONG) >= 8, check.exercise_name
+
+
+# ---- the lesson as a whole --------------------------------------------------------------------------
 
 def test_checks_print_no_warnings(recwarn, capsys):
     """Export, ONNX Runtime and the trapped checkpoint stay quiet: no warning, nothing on stderr."""
@@ -304,18 +735,6 @@ def test_checks_print_no_warnings(recwarn, capsys):
         check(reference)
     assert not [str(w.message) for w in recwarn.list]
     assert capsys.readouterr().err == ""
-
-
-def test_the_trapped_checkpoint_never_runs_for_a_correct_answer():
-    L._TRIPPED.clear()
-    L.check_load_for_inference(L.load_for_inference)
-    assert not L._TRIPPED
-
-
-def test_the_unsafe_loader_is_caught_and_the_trap_is_reset():
-    with pytest.raises(Exception, match="ran code hidden"):
-        L.check_load_for_inference(load_unsafely)
-    assert not L._TRIPPED
 
 
 class _Digits(nn.Module):
@@ -353,26 +772,16 @@ def test_onnxruntime_equals_eager(tmp_path, capsys):
             expected = model(x).numpy()
         assert out.shape == (n, 10)
         assert np.abs(out - expected).max() < 1e-5
-        assert L.onnx_max_abs_diff(path, model, x) < 1e-5
 
 
-def test_torch_export_equals_eager_at_other_batch_sizes():
+def test_the_reference_export_equals_eager_at_other_batch_sizes():
     torch.manual_seed(1)
     model = _Digits().eval()
-    ep = L.export_for_serving(model, torch.rand(4, 1, 8, 8))
+    ep = L.export_from_request(model, torch.rand(1, 1, 8, 8))
     for n in (1, 3, 500):
         x = torch.rand(n, 1, 8, 8)
         with torch.inference_mode():
             assert torch.equal(ep.module()(x), model(x))
-
-
-def test_weights_only_refuses_the_payload_and_runs_nothing(tmp_path):
-    path = tmp_path / "trap.pt"
-    torch.save({"w": torch.ones(2), "payload": L._Payload()}, path)
-    L._TRIPPED.clear()
-    with pytest.raises(pickle.UnpicklingError, match="Unsupported global"):
-        torch.load(path, weights_only=True)
-    assert not L._TRIPPED
 
 
 def test_quiet_restores_logging_and_stderr(capsys):
@@ -385,3 +794,26 @@ def test_quiet_restores_logging_and_stderr(capsys):
         print("hidden", file=sys.stderr)
     assert logger.level == before and sys.stderr is stderr
     assert "hidden" not in capsys.readouterr().err
+
+
+def _notebook():
+    return nbformat.read(NOTEBOOK, as_version=4)
+
+
+def test_the_learner_writes_the_central_apis():
+    """The issue's list: the learner writes torch.export with a Dim from a batch-1 example, and the dynamo ONNX export itself."""
+    solutions = {tag.split(":", 1)[1]: cell.source for cell in _notebook().cells
+                 for tag in cell.metadata.get("tags", []) if tag.startswith("exercise:")}
+    assert set(solutions) == {name for name in (c.exercise_name for c, _ in PAIRS)}
+    assert "weights_only=True" in solutions["load_for_serving"] and "safe_globals" in solutions["load_for_serving"]
+    assert "torch.export.export" in solutions["export_from_request"] and "Dim(" in solutions["export_from_request"]
+    onnx_solution = solutions["export_onnx"]
+    assert "torch.onnx.export" in onnx_solution and "dynamo=True" in onnx_solution and "dynamic_shapes" in onnx_solution
+    assert "InferenceSession" in onnx_solution
+
+
+def test_the_text_names_the_old_spellings_and_the_private_apis():
+    text = "\n".join(cell.source for cell in _notebook().cells if cell.cell_type == "markdown")
+    assert "dynamic_axes" in text and "dynamic_shapes" in text
+    assert "strict=True" in text and "strict=False" in text
+    assert "private" in text and "torch._inductor.aoti_compile_and_package" in text
