@@ -1,4 +1,4 @@
-"""Command line: `python -m course_utils check|progress|reset|restore|workspace|build|html|timings ...`.
+"""Command line: `python -m course_utils check|progress|reset|restore|workspace|grade|build|html|timings ...`.
 
 Every error a learner can cause or meet (a bad lesson number, a missing or truncated
 notebook, a read-only folder, Ctrl-C) is printed as one line that says what to do, with
@@ -91,6 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     p_restore.add_argument("lesson", help="lesson number, e.g. 03")
     p_restore.add_argument("backup", nargs="?", help="the backup's file name (default: the newest)")
     p_restore.add_argument("--list", action="store_true", help="list the lesson's backups instead")
+    p_grade = sub.add_parser("grade", help="grade a folder of submitted notebooks: a CSV, summary tables, an HTML page",
+                             description="Grade every notebook under DIR with the checker, each in a process of its own. "
+                                         "This runs the submitted code: do it in a container or as an unprivileged user.")
+    p_grade.add_argument("folder", metavar="DIR", help="the folder of submissions (any file names; nothing is written to it)")
+    p_grade.add_argument("--out", metavar="FILE.csv", help="write one row per submission per exercise to this CSV")
+    p_grade.add_argument("--html", metavar="FILE.html", help="write a self-contained page with the summary and a pass-rate chart")
+    p_grade.add_argument("--jobs", type=int, default=None, metavar="N", help="submissions checked at once (default: the number of cores)")
+    p_grade.add_argument("--exercise-timeout", type=float, default=None, metavar="S", help="time limit of one exercise (default: the checker's, 30 s)")
+    p_grade.add_argument("--cell-timeout", type=float, default=None, metavar="S", help="time limit of any other cell (default: the checker's, 600 s)")
+    p_grade.add_argument("--timeout", type=float, default=900, metavar="S", help="time limit of a whole submission (default 900 s)")
     p_build = sub.add_parser("build", help="regenerate the course's learner copies in notebooks/ from notebooks/solutions/")
     p_build.add_argument("lessons", nargs="*", help="lesson numbers (default: all)")
     p_build.add_argument("--execute", action="store_true", help="re-run each solution notebook first, refreshing its outputs")
@@ -141,6 +151,10 @@ def _run(args: argparse.Namespace) -> int:
         target, used, saved = restore(args.lesson, args.backup)
         print(f"{shown(target)} is now {used.name}" + (f"; the file it replaced is kept as {shown(saved)}" if saved else ""))
         return 0
+    if args.command == "grade":
+        from course_utils.tooling.grade import main as grade
+
+        return grade(args.folder, args.out, args.html, args.jobs, args.exercise_timeout, args.cell_timeout, args.timeout)
     if args.command == "build":
         from course_utils.tooling.build import build
 
