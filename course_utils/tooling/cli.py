@@ -1,4 +1,4 @@
-"""Command line: `python -m course_utils check|progress|reset|restore|workspace|grade|build|html|timings ...`.
+"""Command line: `python -m course_utils lab|check|progress|reset|restore|workspace|grade|build|html|timings ...`.
 
 Every error a learner can cause or meet (a bad lesson number, a missing or truncated
 notebook, a read-only folder, Ctrl-C) is printed as one line that says what to do, with
@@ -79,6 +79,9 @@ def progress(recheck: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_utils", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("lab", help="open the course in JupyterLab, on lesson 00 (makes your copies in work/ first)",
+                   description="Open the course in JupyterLab, on lesson 00. Other options are passed on to "
+                               "`jupyter lab` (e.g. --port=8889 --no-browser).")
     p_check = sub.add_parser("check", help="check your exercises in one lesson and print a scoreboard")
     p_check.add_argument("lesson", help="lesson number (01), or a notebook path")
     p_check.add_argument("--solutions", action="store_true", help="check the solution copy instead of yours")
@@ -109,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     p_time = sub.add_parser("timings", help="time every lesson under nbval and the checker; rewrite README's course map")
     p_time.add_argument("--repeat", type=int, default=3, help="runs per lesson (the median is reported)")
     p_time.add_argument("--no-write", action="store_true", help="print the table instead of writing README.md")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "lab":  # only `lab` passes options on (to jupyter lab)
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.jupyter_args = rest
     try:
         return _run(args)
     except CourseError as err:
@@ -125,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "lab":
+        from course_utils.tooling.lab import main as lab
+
+        return lab(args.jupyter_args)
     if args.command == "check":
         return check(find_notebook(args.lesson, solutions=args.solutions))
     if args.command == "progress":
