@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p_time = sub.add_parser("timings", help="time every lesson under nbval and the checker; rewrite README's course map")
     p_time.add_argument("--repeat", type=int, default=3, help="runs per lesson (the median is reported)")
     p_time.add_argument("--no-write", action="store_true", help="print the table instead of writing README.md")
+    p_time.add_argument("--keep-times", action="store_true",
+                        help="measure nothing: refresh topics, exercises, study time and GPU cells, keep README's times")
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "lab":  # only `lab` passes options on (to jupyter lab)
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -179,9 +181,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {len(pages) - 1} lesson pages and {pages[0]}")
         return 0
     if args.command == "timings":
-        from course_utils.tooling.timings import course_map, write_readme
+        from course_utils.tooling.timings import course_map, refreshed_map, write_readme
 
-        table = course_map(args.repeat)
+        table = refreshed_map() if args.keep_times else course_map(args.repeat)
         if args.no_write:
             print(table)
         else:
