@@ -59,3 +59,16 @@ def test_extra_options_go_to_jupyter(monkeypatch):
         assert exit_.code == 2
     else:
         raise AssertionError("progress accepted an unknown option")
+
+
+def test_a_python_without_the_course_packages_gets_one_line(monkeypatch, capsys):
+    """A bare `python` in a JupyterLab terminal may be another Python: one line says which to use, no traceback."""
+    from course_utils.tooling import cli
+
+    def missing(args):
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    monkeypatch.setattr(cli, "_run", missing)
+    assert cli.main(["progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no torch" in err and "`.venv/bin/python -m course_utils ...`" in err

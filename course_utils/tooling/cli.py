@@ -126,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: the checker and its kernels were stopped; your notebooks are as they were", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as err:  # e.g. a bare `python` in a terminal that is not the course's
+        print(f"error: this Python ({sys.executable}) has no {err.name}, which the course needs: "
+              "run `.venv/bin/python -m course_utils ...` from the course folder (`make lab` creates .venv)", file=sys.stderr)
+        return 1
     except OSError as err:
         where = f"{err.filename}: " if err.filename else ""
         print(f"error: {where}{err.strerror or err} (is the folder writable, and is there disk space?)", file=sys.stderr)
