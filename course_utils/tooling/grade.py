@@ -380,7 +380,7 @@ def html_report(table, title: str) -> str:
         n=table["submission"].nunique(),
         chart=chart,
         per_exercise=per_exercise.to_html(index=False, border=0),
-        per_submission=submission_summary(table).to_html(border=0),
+        per_submission=submission_summary(table).reset_index().to_html(index=False, border=0),
         rows=table.to_html(index=False, border=0),
     )
 
