@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from course_utils.distributed import process_status
-from course_utils.tooling import grade
+from course_utils.tooling import grade, layout
 from course_utils.tooling.build import BEGIN, END
 from course_utils.tooling.classroom import external_references
 from course_utils.tooling.layout import learner_path, source_for
@@ -69,13 +69,13 @@ def graded(tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     nbformat.write(solved("01"), folder / "ada.ipynb")
     nbformat.write(learner("01"), folder / "bob.ipynb")  # untouched
-    wrong = fill(fill(learner("00"), "add_one", "    return x + 2"), "mean_value", "    return x.float().mean()")
+    wrong = fill(fill(learner("00"), "add_one", "    return x + 2"), "draw", "    return torch.randn(n)")
     nbformat.write(wrong, folder / "cy.ipynb")
     (folder / "dee.ipynb").write_text(nbformat.writes(solved("00"))[:300])  # truncated
     (folder / "empty.ipynb").write_text("")
     (folder / "notes.txt").write_text("my answers are in the notebook\n")
     looping = fill(learner("00"), "add_one", "    while True:\n        pass")
-    nbformat.write(fill(looping, "mean_value", "    return x.float().mean().item()"), folder / "eve.ipynb")
+    nbformat.write(fill(looping, "draw", "    return torch.randn(n, generator=torch.Generator().manual_seed(seed))"), folder / "eve.ipynb")
     # Renamed, and its lesson stamp removed: a lesson 00 notebook named like lesson 05 is graded as lesson 00.
     renamed = solved("00")
     renamed.metadata.pop("course", None)
@@ -83,7 +83,7 @@ def graded(tmp_path_factory):
     crash = fill(learner("00"), "add_one", "    import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)")
     nbformat.write(crash, folder / "fay.ipynb")
     no_check = solved("00")
-    no_check.cells = [c for c in no_check.cells if "check:mean_value" not in c.metadata.get("tags", [])]
+    no_check.cells = [c for c in no_check.cells if "check:draw" not in c.metadata.get("tags", [])]
     (folder / "sub").mkdir()
     nbformat.write(no_check, folder / "sub" / "gus.ipynb")
     (folder / ".ipynb_checkpoints").mkdir()
@@ -118,7 +118,7 @@ def test_csv_has_the_issue_columns(graded):
 def test_solved_passes_and_untouched_is_not_attempted(graded):
     rows, *_ = graded
     ada, bob = verdicts(rows, "ada.ipynb"), verdicts(rows, "bob.ipynb")
-    assert len(ada) == len(bob) == 7
+    assert len(ada) == len(bob) == len(layout.exercises("01"))
     assert {s for s, _ in ada.values()} == {"pass"}
     assert {s for s, _ in bob.values()} == {"not attempted"}
     assert all("not attempted yet" in r for _, r in bob.values())
@@ -129,7 +129,8 @@ def test_wrong_answers_fail_with_the_checks_reason(graded):
     rows, *_ = graded
     cy = verdicts(rows, "cy.ipynb")
     assert cy["add_one"][0] == "failed" and "expected" in cy["add_one"][1]
-    assert cy["mean_value"] == ("failed", "returned a tensor, expected a Python float: call .item() on the 0-d result")
+    assert cy["draw"] == ("failed", "draw(7, 5) changed torch's global random state, which the notebook's other cells draw from: "
+                                    "leave it alone, and draw from a torch.Generator of your own")
 
 
 def test_unreadable_files_are_rows_not_crashes(graded):
@@ -144,28 +145,28 @@ def test_endless_loop_fails_and_grading_goes_on(graded):
     rows, *_ = graded
     eve = verdicts(rows, "eve.ipynb")
     assert eve["add_one"] == ("failed", "took longer than 3 s: an endless loop?")
-    assert eve["mean_value"][0] == "pass"
+    assert eve["draw"][0] == "pass"
 
 
 def test_dead_kernel_fails_its_rows(graded):
     rows, *_ = graded
     fay = verdicts(rows, "fay.ipynb")
     assert fay["add_one"][0] == "failed" and "kernel died" in fay["add_one"][1]
-    assert fay["mean_value"][0] == "failed" and "kernel died" in fay["mean_value"][1]
+    assert fay["draw"][0] == "failed" and "kernel died" in fay["draw"][1]
 
 
 def test_lesson_comes_from_content_not_name(graded):
     rows, *_ = graded
     renamed = [r for r in rows if r["submission"] == "05_training.ipynb"]
     assert {r["lesson"] for r in renamed} == {"00"}
-    assert {r["exercise"]: r["status"] for r in renamed} == {"add_one": "pass", "mean_value": "pass"}
+    assert {r["exercise"]: r["status"] for r in renamed} == {"add_one": "pass", "draw": "pass"}
 
 
 def test_missing_check_cell_and_subfolders(graded):
     rows, *_ = graded
     gus = verdicts(rows, "sub/gus.ipynb")
     assert gus["add_one"][0] == "pass"
-    assert gus["mean_value"][0] == "missing" and gus["mean_value"][1].startswith("check cell missing")
+    assert gus["draw"][0] == "missing" and gus["draw"][1].startswith("check cell missing")
     assert not [r for r in rows if "checkpoint" in r["submission"]]  # hidden folders are not submissions
 
 
@@ -173,7 +174,7 @@ def test_summary_tables_printed(graded):
     _, run, *_ = graded
     assert "Per submission:" in run.stdout and "Per exercise" in run.stdout
     assert "ada.ipynb" in run.stdout and "7/7" in run.stdout and "0/7" in run.stdout
-    assert "returned a tensor, expected a Python float" in run.stdout  # mean_value's only failure reason
+    assert "changed torch's global random state" in run.stdout  # draw's only failure reason
 
 
 def test_progress_bar_on_stderr(graded):
@@ -190,7 +191,7 @@ def test_html_page_is_self_contained(graded):
     assert "data:image/png;base64," in page
     assert not external_references(page)
     assert "http://" not in page and "https://" not in page
-    assert "Per exercise" in page and "mean_value" in page and "ada.ipynb" in page
+    assert "Per exercise" in page and "draw" in page and "ada.ipynb" in page
 
 
 def test_no_process_left_behind(graded):

@@ -54,11 +54,15 @@ def test_study_time_from_metadata(metadata, shown):
 def test_course_map_has_a_study_time_column(monkeypatch, tmp_path):
     """A lesson with `study_minutes` shows it; one without shows '?'."""
     sources = source_notebooks()[:2]
-    nb = nbformat.read(sources[0], as_version=4)
-    nb.metadata["course"]["study_minutes"] = 40
-    patched = tmp_path / sources[0].name
-    nbformat.write(nb, patched)
-    monkeypatch.setattr(timings, "source_notebooks", lambda: [patched, sources[1]])
+    patched = []
+    for source, minutes in zip(sources, (40, None)):
+        nb = nbformat.read(source, as_version=4)
+        nb.metadata["course"].pop("study_minutes", None)
+        if minutes:
+            nb.metadata["course"]["study_minutes"] = minutes
+        patched.append(tmp_path / source.name)
+        nbformat.write(nb, patched[-1])
+    monkeypatch.setattr(timings, "source_notebooks", lambda: patched)
     monkeypatch.setattr(timings, "learner_path", lambda source: timings.root() / "notebooks" / source.name)
     monkeypatch.setattr(timings, "time_lesson", lambda source, repeat: {"nbval": 1.0, "check": 2.0})
     lines = timings.course_map(repeat=1, log=None).splitlines()
