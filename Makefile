@@ -7,12 +7,44 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 NBVAL  := --nbval-current-env -p no:cacheprovider
-# Jupyter refuses to run as root unless told to; containers often run as root.
-LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
+SUPPORTED := 3.11 3.12 3.13
+# Extra options for `jupyter lab`, e.g. make lab LAB_ARGS="--port=8889 --no-browser".
+# (As root, `course_utils lab` adds --allow-root itself: Jupyter refuses root without it.)
+LAB_ARGS ?=
+GOAL := $(or $(firstword $(MAKECMDGOALS)),lab)
 
-.PHONY: lab test notebooks build lock clean-venv
+.PHONY: lab test notebooks build lock clean-venv check-python
 
-$(STAMP): pyproject.toml constraints.txt
+# Stop, saying how to recover, before using a .venv that cannot work: made by a Python the
+# course does not support, left half-built (its python or pip missing), or made by another
+# Python than the PYTHON=... asked for. Without a .venv, PYTHON must be 3.11, 3.12 or 3.13.
+check-python:
+	@version() { "$$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null; }; \
+	supported() { case " $(SUPPORTED) " in *" $$1 "*) return 0;; esac; return 1; }; \
+	recover="Remove it with \`make clean-venv\`, then run \`make $(GOAL) PYTHON=python3.11\` (or python3.12, python3.13)."; \
+	if [ -e $(VENV) ]; then \
+	    have=$$(version $(PY)); \
+	    if [ -z "$$have" ]; then \
+	        echo "error: $(VENV) is half-built or broken: $(PY) does not run (was its Python removed or upgraded?)."; \
+	    elif ! supported "$$have"; then \
+	        echo "error: $(VENV) was made with Python $$have; the course needs Python 3.11, 3.12 or 3.13."; \
+	    elif ! $(PY) -m pip --version >/dev/null 2>&1; then \
+	        echo "error: $(VENV) is half-built: it has no pip (on Debian or Ubuntu, install python3-venv first)."; \
+	    elif [ -n "$(filter command line environment,$(origin PYTHON))" ] && [ "$$(version $(PYTHON))" != "$$have" ]; then \
+	        echo "error: $(VENV) was made with Python $$have, but PYTHON=$(PYTHON) is $$(version $(PYTHON) || echo 'not found')."; \
+	    else \
+	        exit 0; \
+	    fi; \
+	    echo "       $$recover"; exit 1; \
+	fi; \
+	want=$$(version $(PYTHON)); \
+	if [ -z "$$want" ]; then \
+	    echo "error: $(PYTHON) was not found. Install Python 3.11, 3.12 or 3.13, then run \`make $(GOAL) PYTHON=python3.11\` (or python3.12, python3.13)."; exit 1; \
+	elif ! supported "$$want"; then \
+	    echo "error: $(PYTHON) is Python $$want; the course needs 3.11, 3.12 or 3.13: run \`make $(GOAL) PYTHON=python3.11\` (or python3.12, python3.13)."; exit 1; \
+	fi
+
+$(STAMP): pyproject.toml constraints.txt | check-python
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=24"
 	$(PY) -m pip install --quiet -c constraints.txt -e .
@@ -22,25 +54,29 @@ $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	touch $(TEST_STAMP)
 
-lab: $(STAMP)
-	$(VENV)/bin/jupyter lab $(LAB_ARGS) notebooks/00_orientation.ipynb
+# Makes your copies in work/ (never overwriting one), then opens JupyterLab on lesson 00
+# with the course folder as its root and the course's settings (.jupyter/).
+lab: check-python $(STAMP)
+	$(PY) -m course_utils lab $(LAB_ARGS)
 
 # Unit tests (tests/test_notebooks.py also runs the learner copies: every check
 # must say "not attempted" and nothing else may fail), then the solution notebooks
 # under strict nbval: every check passes, deterministic outputs compared, no
 # DeprecationWarning or FutureWarning printed.
-test: $(TEST_STAMP)
+test: check-python $(TEST_STAMP)
 	$(PY) -m pytest tests notebooks/solutions --nbval $(NBVAL) --course-strict-warnings
 
 # Re-run every solution notebook to refresh its outputs, then rebuild the learner copies.
-notebooks: $(STAMP)
+notebooks: check-python $(STAMP)
 	$(PY) -m course_utils build --execute
 
-build: $(STAMP)
+build: check-python $(STAMP)
 	$(PY) -m course_utils build
 
-lock: $(STAMP)
-	{ head -2 constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^course' ; } > constraints.tmp && mv constraints.tmp constraints.txt
+# Every installed package, setuptools included (torch needs it at run time), except pip and the course itself.
+lock: check-python $(STAMP)
+	{ grep '^#' constraints.txt; $(PY) -m pip freeze --all --exclude-editable | grep -v -E '^(course|pip==)' ; } > constraints.tmp && mv constraints.tmp constraints.txt
 
+# Removes the virtual environment (not your notebooks in work/); the next `make lab` or `make test` makes a fresh one.
 clean-venv:
 	rm -rf $(VENV)

@@ -6,6 +6,7 @@ the reason, where either is missing. CI installs both (.ci/run, make test).
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -159,3 +160,68 @@ def start_kernel(page) -> None:
     except playwright.Error:
         pass  # no dialog: the kernel started by itself
     page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(timeout=90_000)
+
+
+PRINTED_URL = re.compile(r"http://127\.0\.0\.1:\d+/\S*\?token=[0-9a-f]{16,}")
+
+
+@pytest.fixture
+def course_lab(tmp_path):
+    """`python -m course_utils lab` as `make lab` runs it, with the learner's work folder in tmp_path; yields what it printed."""
+    port = free_port()  # the token is JupyterLab's own: the test reads the URL it prints, as a learner would
+    command = [sys.executable, "-m", "course_utils", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1"]
+    env = {**os.environ, "COURSE_WORK_DIR": str(tmp_path / "work"),
+           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / ".settings"), "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / ".workspaces")}
+    log = tmp_path / "lab.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    deadline = time.monotonic() + 60
+    while not PRINTED_URL.search(log.read_text()):
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            pytest.fail(f"JupyterLab did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.5)
+    tracked = [psutil.Process(server.pid)]
+    try:
+        yield {"log": log, "port": port, "dir": tmp_path}
+    finally:
+        tracked += [c for c in tracked[0].children(recursive=True)]
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        gone, alive = psutil.wait_procs(tracked, timeout=10)
+        for proc in alive:
+            proc.kill()
+        assert not alive, f"processes left behind by JupyterLab: {[p.pid for p in alive]}"
+
+
+def test_the_printed_url_opens_lesson_00(course_lab):
+    """The URL `make lab` prints opens the learner's lesson 00, not the Launcher, with no news pop-up."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    screenshot = ARTIFACTS / "jupyterlab-lesson00.png"
+    url = PRINTED_URL.search(course_lab["log"].read_text()).group(0)
+    assert url.startswith(f"http://127.0.0.1:{course_lab['port']}/lab/tree/work/00_orientation.ipynb?token=")
+    assert (course_lab["dir"] / "work" / "00_orientation.ipynb").exists()  # made before JupyterLab started
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(url)
+            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
+            page.wait_for_timeout(3000)  # the news question, when asked, comes a moment after start-up
+            page.screenshot(path=str(screenshot))
+            tabs = page.locator(".lm-DockPanel-tabBar .lm-TabBar-tabLabel").all_inner_texts()
+            current = page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel").all_inner_texts()
+            first_heading = page.locator(".jp-Notebook .jp-MarkdownOutput h1").first.inner_text()
+            body = page.locator("body").inner_text()
+            toasts = page.locator(".Toastify__toast").count()
+        finally:
+            browser.close()
+    assert current == ["00_orientation.ipynb"], tabs
+    assert "Launcher" not in tabs
+    assert "Orientation" in first_heading
+    assert "Jupyter news" not in body and toasts == 0, body[-500:]  # "Would you like to get notified about official Jupyter news?"
+    assert screenshot.exists() and screenshot.stat().st_size > 10_000

@@ -171,9 +171,10 @@ def build(sources: list[Path] | None = None, *, run: bool = False) -> list[Path]
         nb = nbformat.read(source, as_version=4)
         stamp_lesson(nb, source)
         tag_source(nb)
+        write_atomic(source, nbformat.writes(nb) + "\n")  # tagged before it runs: its scoreboard reads the tags
         if run:
             execute(nb, source)
-        write_atomic(source, nbformat.writes(nb) + "\n")
+            write_atomic(source, nbformat.writes(nb) + "\n")
         target = learner_path(source)
         write_atomic(target, nbformat.writes(learner_copy(nb)) + "\n")
         written.append(target)

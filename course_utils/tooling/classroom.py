@@ -12,6 +12,7 @@ import nbformat
 from nbconvert import HTMLExporter
 
 from course_utils.tooling.layout import root, source_notebooks
+from course_utils.tooling.timings import lesson_facts
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 EXTERNAL = re.compile(r"""<(?:script|link)\b[^>]*\b(?:src|href)\s*=\s*["']?(?:https?:)?//""", re.IGNORECASE)
@@ -25,6 +26,17 @@ def lesson_title(nb) -> str:
             if match:
                 return match.group(1).strip()
     return "untitled"
+
+
+def inline_markdown(text: str) -> str:
+    """Text with Markdown's `code` spans as <code> elements, everything else HTML-escaped."""
+    parts = re.split(r"`([^`]+)`", text)
+    return "".join(f"<code>{html.escape(p)}</code>" if i % 2 else html.escape(p) for i, p in enumerate(parts))
+
+
+def plain_text(text: str) -> str:
+    """Text with Markdown's code backticks dropped (for a page's <title>)."""
+    return re.sub(r"`([^`]+)`", r"\1", text)
 
 
 def external_references(page: str) -> list[str]:
@@ -42,7 +54,7 @@ def build_html(out_dir: str | Path | None = None) -> list[Path]:
     for i, source in enumerate(sources):
         nb = nbformat.read(source, as_version=4)
         resources = {
-            "metadata": {"name": lesson_title(nb)},
+            "metadata": {"name": plain_text(lesson_title(nb))},
             "course_prev": f"{sources[i - 1].stem}.html" if i > 0 else None,
             "course_next": f"{sources[i + 1].stem}.html" if i + 1 < len(sources) else None,
         }
@@ -53,9 +65,11 @@ def build_html(out_dir: str | Path | None = None) -> list[Path]:
         page = out / f"{source.stem}.html"
         page.write_text(body, encoding="utf-8")
         pages.append(page)
-        exercises = sum(1 for c in nb.cells if any(t.startswith("check:") for t in c.metadata.get("tags", [])))
-        gpu = sum(1 for c in nb.cells if "gpu" in c.metadata.get("tags", []))
-        rows.append(f"<tr><td><a href='{page.name}'>{html.escape(lesson_title(nb))}</a></td><td>{exercises}</td><td>{gpu}</td></tr>")
+        facts = lesson_facts(source)
+        rows.append(
+            f"<tr><td><a href='{page.name}'>{inline_markdown(lesson_title(nb))}</a></td><td>{inline_markdown(facts['topics'])}</td>"
+            f"<td>{facts['exercises']}</td><td>{facts['study']}</td><td>{facts['gpu']}</td></tr>"
+        )
     index = out / "index.html"
     index.write_text(_INDEX.format(rows="\n".join(rows)), encoding="utf-8")
     return [index, *pages]
@@ -64,14 +78,15 @@ def build_html(out_dir: str | Path | None = None) -> list[Path]:
 _INDEX = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>Hands-on PyTorch: course map</title>
 <style>
-body {{ font: 16px system-ui, sans-serif; max-width: 52em; margin: 2em auto; padding: 0 1em; }}
+body {{ font: 16px system-ui, sans-serif; max-width: 64em; margin: 2em auto; padding: 0 1em; }}
 table {{ border-collapse: collapse; width: 100%; }}
-td, th {{ border-bottom: 1px solid #ddd; padding: 6px 8px; text-align: left; }}
+td, th {{ border-bottom: 1px solid #ddd; padding: 6px 8px; text-align: left; vertical-align: top; }}
+code {{ font-size: 90%; background: #f3f3f3; padding: 0 3px; border-radius: 3px; }}
 </style></head>
 <body>
 <h1>Hands-on PyTorch: course map</h1>
-<p>The solution copy of every lesson, with its outputs. Learners work in their own copies in <code>notebooks/</code>.</p>
-<table><thead><tr><th>lesson</th><th>exercises</th><th>GPU cells</th></tr></thead>
+<p>The solution copy of every lesson, with its outputs. Learners work in their own copies in <code>work/</code>.</p>
+<table><thead><tr><th>lesson</th><th>topics</th><th>exercises</th><th>study time</th><th>GPU cells</th></tr></thead>
 <tbody>
 {rows}
 </tbody></table>

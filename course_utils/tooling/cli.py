@@ -1,4 +1,4 @@
-"""Command line: `python -m course_utils check|progress|reset|restore|workspace|build|html|timings ...`.
+"""Command line: `python -m course_utils lab|check|progress|reset|restore|workspace|grade|build|html|timings ...`.
 
 Every error a learner can cause or meet (a bad lesson number, a missing or truncated
 notebook, a read-only folder, Ctrl-C) is printed as one line that says what to do, with
@@ -79,6 +79,9 @@ def progress(recheck: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_utils", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("lab", help="open the course in JupyterLab, on lesson 00 (makes your copies in work/ first)",
+                   description="Open the course in JupyterLab, on lesson 00. Other options are passed on to "
+                               "`jupyter lab` (e.g. --port=8889 --no-browser).")
     p_check = sub.add_parser("check", help="check your exercises in one lesson and print a scoreboard")
     p_check.add_argument("lesson", help="lesson number (01), or a notebook path")
     p_check.add_argument("--solutions", action="store_true", help="check the solution copy instead of yours")
@@ -91,6 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     p_restore.add_argument("lesson", help="lesson number, e.g. 03")
     p_restore.add_argument("backup", nargs="?", help="the backup's file name (default: the newest)")
     p_restore.add_argument("--list", action="store_true", help="list the lesson's backups instead")
+    p_grade = sub.add_parser("grade", help="grade a folder of submitted notebooks: a CSV, summary tables, an HTML page",
+                             description="Grade every notebook under DIR with the checker, each in a process of its own. "
+                                         "This runs the submitted code: do it in a container or as an unprivileged user.")
+    p_grade.add_argument("folder", metavar="DIR", help="the folder of submissions (any file names; nothing is written to it)")
+    p_grade.add_argument("--out", metavar="FILE.csv", help="write one row per submission per exercise to this CSV")
+    p_grade.add_argument("--html", metavar="FILE.html", help="write a self-contained page with the summary and a pass-rate chart")
+    p_grade.add_argument("--jobs", type=int, default=None, metavar="N", help="submissions checked at once (default: the number of cores)")
+    p_grade.add_argument("--exercise-timeout", type=float, default=None, metavar="S", help="time limit of one exercise (default: the checker's, 30 s)")
+    p_grade.add_argument("--cell-timeout", type=float, default=None, metavar="S", help="time limit of any other cell (default: the checker's, 600 s)")
+    p_grade.add_argument("--timeout", type=float, default=900, metavar="S", help="time limit of a whole submission (default 900 s)")
     p_build = sub.add_parser("build", help="regenerate the course's learner copies in notebooks/ from notebooks/solutions/")
     p_build.add_argument("lessons", nargs="*", help="lesson numbers (default: all)")
     p_build.add_argument("--execute", action="store_true", help="re-run each solution notebook first, refreshing its outputs")
@@ -99,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     p_time = sub.add_parser("timings", help="time every lesson under nbval and the checker; rewrite README's course map")
     p_time.add_argument("--repeat", type=int, default=3, help="runs per lesson (the median is reported)")
     p_time.add_argument("--no-write", action="store_true", help="print the table instead of writing README.md")
-    args = parser.parse_args(argv)
+    p_time.add_argument("--keep-times", action="store_true",
+                        help="measure nothing: refresh topics, exercises, study time and GPU cells, keep README's times")
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "lab":  # only `lab` passes options on (to jupyter lab)
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.jupyter_args = rest
     try:
         return _run(args)
     except CourseError as err:
@@ -108,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: the checker and its kernels were stopped; your notebooks are as they were", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as err:  # e.g. a bare `python` in a terminal that is not the course's
+        print(f"error: this Python ({sys.executable}) has no {err.name}, which the course needs: "
+              "run `.venv/bin/python -m course_utils ...` from the course folder (`make lab` creates .venv)", file=sys.stderr)
+        return 1
     except OSError as err:
         where = f"{err.filename}: " if err.filename else ""
         print(f"error: {where}{err.strerror or err} (is the folder writable, and is there disk space?)", file=sys.stderr)
@@ -115,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "lab":
+        from course_utils.tooling.lab import main as lab
+
+        return lab(args.jupyter_args)
     if args.command == "check":
         return check(find_notebook(args.lesson, solutions=args.solutions))
     if args.command == "progress":
@@ -141,6 +167,10 @@ def _run(args: argparse.Namespace) -> int:
         target, used, saved = restore(args.lesson, args.backup)
         print(f"{shown(target)} is now {used.name}" + (f"; the file it replaced is kept as {shown(saved)}" if saved else ""))
         return 0
+    if args.command == "grade":
+        from course_utils.tooling.grade import main as grade
+
+        return grade(args.folder, args.out, args.html, args.jobs, args.exercise_timeout, args.cell_timeout, args.timeout)
     if args.command == "build":
         from course_utils.tooling.build import build
 
@@ -155,9 +185,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {len(pages) - 1} lesson pages and {pages[0]}")
         return 0
     if args.command == "timings":
-        from course_utils.tooling.timings import course_map, write_readme
+        from course_utils.tooling.timings import course_map, refreshed_map, write_readme
 
-        table = course_map(args.repeat)
+        table = refreshed_map() if args.keep_times else course_map(args.repeat)
         if args.no_write:
             print(table)
         else:

@@ -14,7 +14,7 @@ What it adds to an nbval run:
 - stderr (warnings) never fails an output comparison;
 - after a non-exercise cell fails, the rest of that notebook is skipped, not cascaded;
 - `--course-strict-warnings` fails a cell that prints a DeprecationWarning or FutureWarning;
-- `--course-report FILE` writes the scoreboard as JSON.
+- `--course-report FILE` writes the scoreboard as JSON, with the seconds each exercise's cells took.
 """
 
 import glob
@@ -186,7 +186,8 @@ def _new_exercise_reason(lesson: str) -> str:
 
 
 def _notebook(item: pytest.Item) -> dict:
-    return item.config._course_results.setdefault(str(item.parent.path), {"lesson": None, "exercises": {}, "stopped_at": None})
+    return item.config._course_results.setdefault(
+        str(item.parent.path), {"lesson": None, "exercises": {}, "stopped_at": None, "seconds": {}})
 
 
 def _results(item: pytest.Item) -> dict:
@@ -343,6 +344,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             report.longrepr = f"{item.name} {item.course_warning}"
     exercise = getattr(item, "course_exercise", None)
     is_check = getattr(item, "course_check", None) is not None
+    if exercise:  # the exercise's code cell and its check, for the grader's CSV
+        seconds = _notebook(item)["seconds"]
+        seconds[exercise] = seconds.get(exercise, 0.0) + report.duration
     stopped = _interrupted(item, call) if report.failed else None
     kernel_ok = item.parent.kernel is not None and item.parent.kernel.is_alive()
     if stopped:
@@ -406,6 +410,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             "lesson": nb["lesson"],
             "exercises": {name: {"status": v["status"], "reason": v["reason"]} for name, v in nb["exercises"].items()},
             "stopped_at": nb["stopped_at"],
+            "seconds": {name: round(s, 2) for name, s in nb.get("seconds", {}).items()},
         }
         for path, nb in config._course_results.items()
     }

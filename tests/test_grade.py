@@ -1,0 +1,308 @@
+"""course_utils.tooling.grade: a class's submissions graded in one run, and the pieces of the gradebook."""
+
+import csv
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pandas as pd
+import pytest
+
+from course_utils.distributed import process_status
+from course_utils.tooling import grade, layout
+from course_utils.tooling.build import BEGIN, END
+from course_utils.tooling.classroom import external_references
+from course_utils.tooling.layout import learner_path, source_for
+from course_utils.tooling.runner import become_subreaper, descendants
+
+STUB = "    # YOUR CODE HERE\n    raise NotImplementedError()"
+
+
+def learner(lesson: str):
+    """The course's learner copy of a lesson, as a learner receives it."""
+    return nbformat.read(learner_path(source_for(lesson)), as_version=4)
+
+
+def exercise_cell(nb, name: str):
+    return next(c for c in nb.cells if f"exercise:{name}" in c.metadata.get("tags", []))
+
+
+def fill(nb, name: str, body: str):
+    """Replace the stub of one exercise with body (indented code)."""
+    cell = exercise_cell(nb, name)
+    assert STUB in cell.source
+    cell.source = cell.source.replace(STUB, body)
+    return nb
+
+
+def solved(lesson: str):
+    """A learner copy with every exercise filled in from the lesson's own solution copy."""
+    nb = learner(lesson)
+    solutions = nbformat.read(source_for(lesson), as_version=4)
+    for cell in solutions.cells:
+        names = [t.split(":", 1)[1] for t in cell.metadata.get("tags", []) if t.startswith("exercise:")]
+        if names:
+            code = "\n".join(line for line in cell.source.splitlines() if line.strip() not in (BEGIN, END))
+            exercise_cell(nb, names[0]).source = code
+    return nb
+
+
+def snapshot(folder: Path) -> dict[str, tuple[str, int]]:
+    """Every path under folder, with its content's hash and modification time."""
+    return {
+        str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir", p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+# ---------------------------------------------------------------- the whole class in one run
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """Grade a folder of lesson 00 and 01 submissions with every kind of trouble; return (CSV rows, the run, the output folder, leftover processes)."""
+    folder = tmp_path_factory.mktemp("submissions")
+    out = tmp_path_factory.mktemp("out")
+    nbformat.write(solved("01"), folder / "ada.ipynb")
+    nbformat.write(learner("01"), folder / "bob.ipynb")  # untouched
+    wrong = fill(fill(learner("00"), "add_one", "    return x + 2"), "draw", "    return torch.randn(n)")
+    nbformat.write(wrong, folder / "cy.ipynb")
+    (folder / "dee.ipynb").write_text(nbformat.writes(solved("00"))[:300])  # truncated
+    (folder / "empty.ipynb").write_text("")
+    (folder / "notes.txt").write_text("my answers are in the notebook\n")
+    looping = fill(learner("00"), "add_one", "    while True:\n        pass")
+    nbformat.write(fill(looping, "draw", "    return torch.randn(n, generator=torch.Generator().manual_seed(seed))"), folder / "eve.ipynb")
+    # Renamed, and its lesson stamp removed: a lesson 00 notebook named like lesson 05 is graded as lesson 00.
+    renamed = solved("00")
+    renamed.metadata.pop("course", None)
+    nbformat.write(renamed, folder / "05_training.ipynb")
+    crash = fill(learner("00"), "add_one", "    import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)")
+    nbformat.write(crash, folder / "fay.ipynb")
+    no_check = solved("00")
+    no_check.cells = [c for c in no_check.cells if "check:draw" not in c.metadata.get("tags", [])]
+    (folder / "sub").mkdir()
+    nbformat.write(no_check, folder / "sub" / "gus.ipynb")
+    (folder / ".ipynb_checkpoints").mkdir()
+    (folder / ".ipynb_checkpoints" / "ada-checkpoint.ipynb").write_text("{}")
+    before = snapshot(folder)
+
+    become_subreaper()  # so that any process the grading left behind would be re-parented to this one
+    running = set(descendants())  # earlier tests' children, if any, are not the grader's
+    run = subprocess.run(
+        [sys.executable, "-m", "course_utils", "grade", str(folder), "--out", str(out / "grades.csv"),
+         "--html", str(out / "grades.html"), "--jobs", "2", "--exercise-timeout", "3"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    leftover = [pid for pid in descendants() if pid not in running and (process_status(pid) or (0, "Z"))[1] != "Z"]
+    assert snapshot(folder) == before, "grading wrote to the submissions' folder"
+    with open(out / "grades.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return rows, run, out, leftover
+
+
+def verdicts(rows, submission):
+    return {r["exercise"]: (r["status"], r["reason"]) for r in rows if r["submission"] == submission}
+
+
+def test_csv_has_the_issue_columns(graded):
+    rows, *_ = graded
+    assert list(rows[0]) == ["submission", "lesson", "exercise", "status", "reason", "seconds"]
+    assert {r["status"] for r in rows} <= set(grade.STATUSES)
+
+
+def test_solved_passes_and_untouched_is_not_attempted(graded):
+    rows, *_ = graded
+    ada, bob = verdicts(rows, "ada.ipynb"), verdicts(rows, "bob.ipynb")
+    assert len(ada) == len(bob) == len(layout.exercises("01"))
+    assert {s for s, _ in ada.values()} == {"pass"}
+    assert {s for s, _ in bob.values()} == {"not attempted"}
+    assert all("not attempted yet" in r for _, r in bob.values())
+    assert {r["lesson"] for r in rows if r["submission"] in ("ada.ipynb", "bob.ipynb")} == {"01"}
+
+
+def test_wrong_answers_fail_with_the_checks_reason(graded):
+    rows, *_ = graded
+    cy = verdicts(rows, "cy.ipynb")
+    assert cy["add_one"][0] == "failed" and "expected" in cy["add_one"][1]
+    assert cy["draw"] == ("failed", "draw(7, 5) changed torch's global random state, which the notebook's other cells draw from: "
+                                    "leave it alone, and draw from a torch.Generator of your own")
+
+
+def test_unreadable_files_are_rows_not_crashes(graded):
+    rows, *_ = graded
+    (status, reason), = verdicts(rows, "dee.ipynb").values()
+    assert status == "unreadable" and reason.startswith("the file is not a readable notebook: its JSON breaks off at line")
+    assert verdicts(rows, "empty.ipynb") == {"": ("unreadable", "the file is empty")}
+    assert verdicts(rows, "notes.txt") == {"": ("unreadable", "the file is not a notebook (it is not JSON)")}
+
+
+def test_endless_loop_fails_and_grading_goes_on(graded):
+    rows, *_ = graded
+    eve = verdicts(rows, "eve.ipynb")
+    assert eve["add_one"] == ("failed", "took longer than 3 s: an endless loop?")
+    assert eve["draw"][0] == "pass"
+
+
+def test_dead_kernel_fails_its_rows(graded):
+    rows, *_ = graded
+    fay = verdicts(rows, "fay.ipynb")
+    assert fay["add_one"][0] == "failed" and "kernel died" in fay["add_one"][1]
+    assert fay["draw"][0] == "failed" and "kernel died" in fay["draw"][1]
+
+
+def test_lesson_comes_from_content_not_name(graded):
+    rows, *_ = graded
+    renamed = [r for r in rows if r["submission"] == "05_training.ipynb"]
+    assert {r["lesson"] for r in renamed} == {"00"}
+    assert {r["exercise"]: r["status"] for r in renamed} == {"add_one": "pass", "draw": "pass"}
+
+
+def test_missing_check_cell_and_subfolders(graded):
+    rows, *_ = graded
+    gus = verdicts(rows, "sub/gus.ipynb")
+    assert gus["add_one"][0] == "pass"
+    assert gus["draw"][0] == "missing" and gus["draw"][1].startswith("check cell missing")
+    assert not [r for r in rows if "checkpoint" in r["submission"]]  # hidden folders are not submissions
+
+
+def test_summary_tables_printed(graded):
+    _, run, *_ = graded
+    assert "Per submission:" in run.stdout and "Per exercise" in run.stdout
+    assert "ada.ipynb" in run.stdout and "7/7" in run.stdout and "0/7" in run.stdout
+    assert "changed torch's global random state" in run.stdout  # draw's only failure reason
+
+
+def test_progress_bar_on_stderr(graded):
+    _, run, *_ = graded
+    lines = [line for line in run.stderr.splitlines() if line.startswith("grading [")]
+    assert len(lines) == 10
+    assert lines[-1].startswith("grading [########################] 10/10 submissions") and lines[-1].endswith("passed)")
+    assert "left" in lines[0] or "estimating" in lines[0]
+
+
+def test_html_page_is_self_contained(graded):
+    _, _, out, _ = graded
+    page = (out / "grades.html").read_text()
+    assert "data:image/png;base64," in page
+    assert not external_references(page)
+    assert "http://" not in page and "https://" not in page
+    assert "Per exercise" in page and "draw" in page and "ada.ipynb" in page
+
+
+def test_no_process_left_behind(graded):
+    *_, leftover = graded
+    assert leftover == []
+
+
+# ---------------------------------------------------------------- the pieces, without a kernel
+
+@pytest.mark.parametrize("verdict, expected", [
+    ({"status": "passed", "reason": ""}, ("pass", "")),
+    ({"status": "not attempted", "reason": "not attempted yet: x"}, ("not attempted", "not attempted yet: x")),
+    ({"status": "failed", "reason": "expected 3, got 4"}, ("failed", "expected 3, got 4")),
+    ({"status": "failed", "reason": "check cell missing: put the cell `x` back"}, ("missing", "check cell missing: put the cell `x` back")),
+    ({"status": "not run", "reason": "not run: check a: the kernel died (killed by signal 9)"},
+     ("failed", "not run: check a: the kernel died (killed by signal 9)")),
+    ({"status": "not run", "reason": "the check cell did not run"}, ("failed", "its check cell did not run")),
+])
+def test_status_words(verdict, expected):
+    assert grade._status(verdict) == expected
+
+
+def test_lesson_from_metadata_tags_or_check_calls():
+    nb = json.loads(nbformat.writes(learner("01")))
+    assert grade.submission_lesson(nb) == "01"
+    nb["metadata"].pop("course")
+    assert grade.submission_lesson(nb) == "01"  # from the exercise tags
+    for cell in nb["cells"]:
+        cell["metadata"].pop("tags", None)
+    assert grade.submission_lesson(nb) == "01"  # from `lesson01.check_...(...)` in the check cells
+    for cell in nb["cells"]:
+        cell["source"] = "x = 1"
+    assert grade.submission_lesson(nb) is None
+
+
+def test_find_submissions_skips_hidden(tmp_path):
+    (tmp_path / "a.ipynb").write_text("{}")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "c.json").write_text("{}")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "x").write_text("")
+    (tmp_path / ".hidden.ipynb").write_text("")
+    assert [p.relative_to(tmp_path).as_posix() for p in grade.find_submissions(tmp_path)] == ["a.ipynb", "b/c.json"]
+
+
+def _table():
+    rows = [
+        grade._row("a", "00", "add_one", "pass", "", 0.1),
+        grade._row("a", "00", "mean_value", "failed", "returned a tensor", 0.1),
+        grade._row("b", "00", "add_one", "failed", "expected 2, got 3", 0.1),
+        grade._row("b", "00", "mean_value", "failed", "returned a tensor", 0.1),
+        grade._row("c", "00", "add_one", "not attempted", "not attempted yet", 0.1),
+        grade._row("c", "00", "mean_value", "missing", "check cell missing: put it back", 0.1),
+        grade._row("d", "", "", "unreadable", "the file is empty", 0.0),
+    ]
+    return pd.DataFrame(rows, columns=grade.COLUMNS)
+
+
+def test_submission_summary():
+    summary = grade.submission_summary(_table())
+    assert summary.loc["a", "score"] == "1/2" and summary.loc["b", "score"] == "0/2"
+    assert summary.loc["d", "score"] == "unreadable" and summary.loc["d", "note"] == "the file is empty"
+
+
+def test_exercise_summary_pass_rate_and_most_common_failure():
+    summary = grade.exercise_summary(_table()).set_index("exercise")
+    assert summary.loc["add_one", "pass rate"] == pytest.approx(33.3)
+    assert summary.loc["mean_value", "pass rate"] == 0
+    assert summary.loc["mean_value", "most common failure"] == "returned a tensor (2x)"
+    assert summary.loc["mean_value", "missing"] == 1
+    assert summary.loc["add_one", "most common failure"] == "expected 2, got 3"
+
+
+def test_html_report_without_a_kernel():
+    page = grade.html_report(_table(), "Gradebook: <class>")
+    assert "Gradebook: &lt;class&gt;" in page and "data:image/png;base64," in page
+    assert not external_references(page)
+
+
+def test_progress_bar_lines():
+    stream = io.StringIO()
+    bar = grade.ProgressBar(3, stream=stream, width=6)
+    bar.step("a: 1/2 passed")
+    bar.step()
+    bar.step()
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("grading [##....] 1/3 submissions") and "left" in lines[0] and lines[0].endswith("(a: 1/2 passed)")
+    assert lines[-1].startswith("grading [######] 3/3 submissions") and ", done" in lines[-1]
+
+
+def test_outputs_inside_the_folder_are_refused(tmp_path, capsys):
+    from course_utils.tooling.cli import main
+
+    (tmp_path / "a.ipynb").write_text("")
+    assert main(["grade", str(tmp_path), "--out", str(tmp_path / "grades.csv")]) == 1
+    assert "outside" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ipynb"]
+
+
+def test_empty_or_missing_folder(tmp_path, capsys):
+    from course_utils.tooling.cli import main
+
+    assert main(["grade", str(tmp_path)]) == 1
+    assert "no files to grade" in capsys.readouterr().err
+    assert main(["grade", str(tmp_path / "nope")]) == 1
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_grade_help():
+    result = subprocess.run([sys.executable, "-m", "course_utils", "grade", "--help"], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 0
+    for word in ("--out", "--html", "--jobs", "unprivileged"):
+        assert word in result.stdout
