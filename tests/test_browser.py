@@ -40,7 +40,22 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory):
+def browser():
+    """One headless Chromium for the module's tests (playwright's sync API allows one at a time per thread)."""
+    with playwright.sync_playwright() as p:
+        chromium = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run", "--disable-quic"],
+        )
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory, browser):
     """A JupyterLab server on localhost, serving untouched copies of the learner notebooks; no process outlives it."""
     folder = tmp_path_factory.mktemp("lab")
     # Copies, since the UI may autosave, which must not touch the repository.
@@ -76,16 +91,7 @@ def lab(tmp_path_factory):
             time.sleep(0.5)
     tracked = [psutil.Process(server.pid)]
     try:
-        with playwright.sync_playwright() as p:
-            browser = p.chromium.launch(
-                executable_path=CHROMIUM,
-                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                      "--disable-sync", "--no-first-run", "--disable-quic"],
-            )
-            try:
-                yield {"url": url, "token": token, "dir": folder, "tracked": tracked, "browser": browser}
-            finally:
-                browser.close()
+        yield {"url": url, "token": token, "dir": folder, "tracked": tracked, "browser": browser}
     finally:
         tracked += [c for c in tracked[0].children(recursive=True)]
         os.killpg(server.pid, signal.SIGTERM)
@@ -170,8 +176,9 @@ def course_lab(tmp_path):
     """`python -m course_utils lab` as `make lab` runs it, with the learner's work folder in tmp_path; yields what it printed."""
     port = free_port()  # the token is JupyterLab's own: the test reads the URL it prints, as a learner would
     command = [sys.executable, "-m", "course_utils", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1"]
-    env = {**os.environ, "COURSE_WORK_DIR": str(tmp_path / "work"),
-           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / ".settings"), "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / ".workspaces")}
+    env = {k: v for k, v in os.environ.items() if k not in ("COURSE_CHECKER", "COURSE_CHECK_MODE", "PYTEST_ADDOPTS")}
+    env |= {"COURSE_WORK_DIR": str(tmp_path / "work"),
+            "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / ".settings"), "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / ".workspaces")}
     log = tmp_path / "lab.log"
     with open(log, "w") as out:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -198,28 +205,26 @@ def course_lab(tmp_path):
         assert not alive, f"processes left behind by JupyterLab: {[p.pid for p in alive]}"
 
 
-def test_the_printed_url_opens_lesson_00(course_lab):
+def test_the_printed_url_opens_lesson_00(course_lab, browser):
     """The URL `make lab` prints opens the learner's lesson 00, not the Launcher, with no news pop-up."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     screenshot = ARTIFACTS / "jupyterlab-lesson00.png"
     url = PRINTED_URL.search(course_lab["log"].read_text()).group(0)
     assert url.startswith(f"http://127.0.0.1:{course_lab['port']}/lab/tree/work/00_orientation.ipynb?token=")
     assert (course_lab["dir"] / "work" / "00_orientation.ipynb").exists()  # made before JupyterLab started
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
-            page.goto(url)
-            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
-            page.wait_for_timeout(3000)  # the news question, when asked, comes a moment after start-up
-            page.screenshot(path=str(screenshot))
-            tabs = page.locator(".lm-DockPanel-tabBar .lm-TabBar-tabLabel").all_inner_texts()
-            current = page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel").all_inner_texts()
-            first_heading = page.locator(".jp-Notebook .jp-MarkdownOutput h1").first.inner_text()
-            body = page.locator("body").inner_text()
-            toasts = page.locator(".Toastify__toast").count()
-        finally:
-            browser.close()
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    try:
+        page.goto(url)
+        page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
+        page.wait_for_timeout(3000)  # the news question, when asked, comes a moment after start-up
+        page.screenshot(path=str(screenshot))
+        tabs = page.locator(".lm-DockPanel-tabBar .lm-TabBar-tabLabel").all_inner_texts()
+        current = page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel").all_inner_texts()
+        first_heading = page.locator(".jp-Notebook .jp-MarkdownOutput h1").first.inner_text()
+        body = page.locator("body").inner_text()
+        toasts = page.locator(".Toastify__toast").count()
+    finally:
+        page.close()
     assert current == ["00_orientation.ipynb"], tabs
     assert "Launcher" not in tabs
     assert "Orientation" in first_heading
