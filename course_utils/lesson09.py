@@ -175,7 +175,9 @@ def _group_members(pgid: int) -> list[str]:
         with contextlib.suppress(OSError, IndexError, ValueError):
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             if int(fields[2]) == pgid and fields[0] != "Z":
-                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip())
+                argv = (entry / "cmdline").read_bytes().decode(errors="replace").rstrip("\0").split("\0")
+                # the program's name, not its path: a message reads the same in any checkout
+                found.append(" ".join([Path(argv[0]).name, *argv[1:]]))
     return found
 
 
@@ -1228,7 +1230,7 @@ def _judge_launch(runs: list[RankRun], name: str, timeout: float, grace: float) 
     if runs and runs[0].left_behind:
         first = runs[0].left_behind[0]
         raise ExerciseFailed(f"the ranks exited but left {len(runs[0].left_behind)} process(es) running, e.g. "
-                             f"{first[:60]!r}: a script must stop what it starts before it ends (the check stopped them)")
+                             f"{first[:80]!r}: a script must stop what it starts before it ends (the check stopped them)")
     for run in runs:
         if run.record is None:
             code = run.returncode

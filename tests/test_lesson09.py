@@ -802,7 +802,7 @@ SCRIPT_WRONG = {
                          r"rank \d raised ValueError: Default process group has not been initialized"),
     "leaves a process behind": (_script((DESTROY, DESTROY + "    if rank == 0:\n        import subprocess, sys\n"
                                                   "        subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(60)\"])\n")),
-                                r"the ranks exited but left 1 process\(es\) running, e\.g\. '.*time\.sleep\(60\)'"),
+                                r"the ranks exited but left 1 process\(es\) running, e\.g\. 'python[\d.]* -c import time; time\.sleep\(60\)'"),
     "renamed argument": (_script(("\"--batch-size\"", "\"--batch\"")), r"rank \d exited with code 2: .*unrecognized arguments: --batch-size 48"),
 }
 
