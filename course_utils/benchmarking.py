@@ -1,4 +1,4 @@
-"""Honest timing: warm-up runs, accelerator synchronisation, the median of repeats, ratios."""
+"""Honest measurement: timing with warm-up runs, accelerator synchronisation, the median of repeats, ratios; and the bytes autograd saves."""
 
 import statistics
 import time
@@ -70,3 +70,19 @@ def report(timings: list[Timing], baseline: str | None = None) -> str:
     for t in timings:
         lines.append(f"{t.name:{width}}  {t.median * 1e3:9.3f}  {ratios[t.name]:7.2f}x")
     return "\n".join(lines)
+
+
+def saved_activation_bytes(fn, params=()) -> tuple[torch.Tensor, int]:
+    """Run fn(); return its result and the bytes of the distinct tensors autograd saved for backward, parameters excluded."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    storages = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())

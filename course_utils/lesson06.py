@@ -118,22 +118,6 @@ def saved_tensors(model: nn.Sequential, x: torch.Tensor) -> list[dict]:
     return rows
 
 
-def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the tensors autograd saves for backward during model(x): each storage once, parameters excluded."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    sizes = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            sizes[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(x)
-    return sum(sizes.values())
-
-
 # Shared helpers of the checks.
 
 def _restores_autocast(fn: Callable) -> Callable:

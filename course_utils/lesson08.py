@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
+from course_utils.benchmarking import saved_activation_bytes
 from course_utils.tooling.checks import (
     ExerciseFailed,
     a_type,
@@ -122,22 +123,6 @@ def checkpoint_segments(blocks: nn.ModuleList, x: torch.Tensor, segment_size: in
 
 
 # Helpers the notebook uses too.
-
-def saved_activation_bytes(fn, params=()) -> tuple[torch.Tensor, int]:
-    """Run fn(); return its result and the bytes of the distinct tensors autograd saved for backward, parameters excluded."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    storages = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(storages.values())
-
 
 def quiet_profiler() -> None:
     """Keep the profiler's C++ backend (Kineto) from writing its start and stop messages to stderr."""

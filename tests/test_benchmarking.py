@@ -1,9 +1,11 @@
-"""course_utils.benchmarking: warm-up, repeats, medians and speed-ups."""
+"""course_utils.benchmarking: warm-up, repeats, medians and speed-ups; the bytes autograd saves."""
 
 import pytest
+import torch
+from torch import nn
 
 from course_utils import benchmarking
-from course_utils.benchmarking import Timing, benchmark, report, speedups
+from course_utils.benchmarking import Timing, benchmark, report, saved_activation_bytes, speedups
 
 
 @pytest.fixture(autouse=True)
@@ -89,3 +91,12 @@ def test_report_lists_names_and_ratios():
     assert lines[1].split()[0] == "loop" and lines[1].endswith("1.00x")
     assert lines[2].split()[0] == "vector" and lines[2].endswith("4.00x")
     assert "400.000" in lines[1] and "100.000" in lines[2]
+
+
+def test_saved_activation_bytes_counts_distinct_storages_without_parameters():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8, bias=False), nn.ReLU(), nn.Linear(8, 2, bias=False))
+    x = torch.randn(5, 4)
+    _, nbytes = saved_activation_bytes(lambda: net(x), net.parameters())
+    # Linear 1 saves x (5x4); ReLU saves its result (5x8), which Linear 2 saves too: one storage.
+    assert nbytes == (5 * 4 + 5 * 8) * 4

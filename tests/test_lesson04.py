@@ -2,7 +2,6 @@
 
 import collections
 import copy
-import math
 import multiprocessing
 import os
 import time
