@@ -26,8 +26,25 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 # Children read these before importing torch: one thread each (two ranks share two cores),
-# and no C++ log lines below ERROR level.
-_CHILD_ENV = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+# no C++ log lines below ERROR level, and tracebacks without colour codes (a Jupyter kernel
+# sets FORCE_COLOR, with which Python 3.13 colours the tracebacks its children print).
+_CHILD_ENV = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHON_COLORS": "0"}
+_PLAIN_TRACEBACKS = {"PYTHON_COLORS": "0"}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` set inside the block (for the processes started there), as it was after."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def free_port() -> int:
@@ -107,20 +124,12 @@ class Workers:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self.processes = []
-        old_env = {k: os.environ.get(k) for k in _CHILD_ENV}
-        os.environ.update(_CHILD_ENV)
-        try:
+        with _environment(_CHILD_ENV):
             for rank in range(world_size):
                 p = ctx.Process(target=_child, name=f"rank{rank}", daemon=True,
                                 args=(rank, world_size, self.port, backend, pg_timeout, self._tasks[rank], self._results, self._log_dir.name))
                 p.start()
                 self.processes.append(p)
-        finally:
-            for k, v in old_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         try:
             self._collect("init", timeout)
         except BaseException:
@@ -213,13 +222,14 @@ class _CapturedStderr:
 
 @contextlib.contextmanager
 def child_stderr() -> Iterator[_CapturedStderr]:
-    """Processes started inside the block write their stderr (fd 2) to a file; read it later with .text()."""
+    """Processes started inside the block write their stderr (fd 2), tracebacks uncoloured, to a file; read it later with .text()."""
     captured = _CapturedStderr()
     sys.stderr.flush()
     saved = os.dup(2)
     os.dup2(captured.file.fileno(), 2)
     try:
-        yield captured
+        with _environment(_PLAIN_TRACEBACKS):
+            yield captured
     finally:
         sys.stderr.flush()
         os.dup2(saved, 2)

@@ -124,7 +124,8 @@ def run_script(script: Path, args: list[str], folder: Path, world_size: int = 2,
             "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "lesson09-check",
             "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-            "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1", ddp_models.PROBE_ENV: str(folder)}
+            "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1", "PYTHON_COLORS": "0",
+            ddp_models.PROBE_ENV: str(folder)}
     procs, files, left = [], [], []
     try:
         for rank in range(world_size):
