@@ -1008,8 +1008,12 @@ def test_the_scan_sees_a_leftover_process_in_a_session_of_its_own():
         shell = subprocess.run(["sh", "-c", "setsid sleep 30 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, timeout=10)
         leftover = int(shell.stdout)
         try:
+            # `$!` is setsid's pid: it calls setsid() and then becomes sleep, which takes it a moment.
+            deadline = time.monotonic() + 10
+            while os.getsid(leftover) == os.getsid(0) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert os.getsid(leftover) != os.getsid(0)
             left = {pid: c for pid, c in _living_children().items() if pid not in before}
             assert leftover in left and "sleep" in left[leftover]
-            assert os.getsid(leftover) != os.getsid(0)
         finally:
             _kill([leftover])
