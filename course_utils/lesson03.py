@@ -117,7 +117,7 @@ def load_pretrained(make_model: Callable[[], nn.Module], path: str) -> nn.Module
     """The model make_model() builds, filled from the checkpoint at path without allocating twice or copying; what the file lacks, new."""
     with torch.device("meta"):
         model = make_model()
-    checkpoint = torch.load(path, mmap=True)
+    checkpoint = torch.load(path, mmap=True, weights_only=True)
     missing = model.load_state_dict(checkpoint, strict=False, assign=True).missing_keys
     for name in {key.rpartition(".")[0] for key in missing}:
         layer = model.get_submodule(name)
@@ -936,13 +936,13 @@ def _expect_pretrained(got: Any, built: list[str], checkpoint: dict, path: str, 
         if tensors[name].dtype != checkpoint[name].dtype or not torch.equal(tensors[name].detach(), checkpoint[name]):
             kind = "buffer" if name not in params else "parameter"
             raise ExerciseFailed(f"in the model {what} returned, the {kind} {name} does not hold the checkpoint's values")
-    mapped = torch.load(path, mmap=True)
+    mapped = torch.load(path, mmap=True, weights_only=True)
     first = wanted[0]
     offsets = {name: mapped[name].data_ptr() - mapped[first].data_ptr() for name in wanted}
     if any(tensors[name].data_ptr() - tensors[first].data_ptr() != offsets[name] for name in wanted):
         raise ExerciseFailed(
             f"in the model {what} returned, the weights are not the tensors mapped from the file: load it with "
-            "torch.load(path, mmap=True) and hand them over with load_state_dict(..., assign=True), which takes them instead of copying"
+            "torch.load(path, mmap=True, weights_only=True) and hand them over with load_state_dict(..., assign=True), which takes them instead of copying"
         )
     for name, module in got.get_submodule(head_name).named_modules(prefix=head_name):
         if isinstance(module, nn.Linear):

@@ -706,7 +706,7 @@ def load_with_default_device(make_model, path):
         model = make_model()
     finally:
         torch.set_default_device(None)
-    state = torch.load(path, mmap=True)
+    state = torch.load(path, mmap=True)  # relies on the default, weights_only=True: a learner may too
     result = model.load_state_dict(state, assign=True, strict=False)
     for key in result.missing_keys:
         owner = model.get_submodule(key.rsplit(".", 1)[0])
