@@ -4,7 +4,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from course_utils.tooling.build import BuildError, learner_copy, solution_blocks, stub, tag_source
+from course_utils.tooling.build import BuildError, coalesce_streams, learner_copy, solution_blocks, stub, tag_source
 from course_utils.tooling.layout import learner_path
 
 SOLUTION_CELL = '''import torch
@@ -294,3 +294,25 @@ def test_a_script_without_a_function_around_its_solution_is_refused():
     tag_source(nb)  # named after the file
     with pytest.raises(BuildError, match="must sit inside a function body"):
         learner_copy(nb)
+
+
+def test_coalesce_streams_joins_consecutive_chunks_of_one_stream():
+    cell = new_code_cell("print(1); print(2)")
+    cell.outputs = [
+        new_output("stream", name="stdout", text="a\n"),
+        new_output("stream", name="stdout", text="b\n"),
+        new_output("stream", name="stderr", text="warning\n"),
+        new_output("stream", name="stdout", text="c\n"),
+        new_output("execute_result", data={"text/plain": "3"}, execution_count=1),
+        new_output("stream", name="stdout", text="d\n"),
+    ]
+    nb = new_notebook(cells=[cell, new_markdown_cell("text")])
+    coalesce_streams(nb)
+    assert [(o.output_type, o.get("name"), o.get("text")) for o in cell.outputs] == [
+        ("stream", "stdout", "a\nb\n"),
+        ("stream", "stderr", "warning\n"),
+        ("stream", "stdout", "c\n"),
+        ("execute_result", None, None),
+        ("stream", "stdout", "d\n"),
+    ]
+    assert "outputs" not in nb.cells[1]

@@ -155,6 +155,26 @@ def execute(nb, path: Path) -> None:
             os.environ.pop("COURSE_CHECKER", None)
         else:
             os.environ["COURSE_CHECKER"] = previous
+    coalesce_streams(nb)
+
+
+def coalesce_streams(nb) -> None:
+    """Join each cell's consecutive stdout (or stderr) chunks into one output, as JupyterLab shows them.
+
+    The kernel sends a cell's prints in chunks that depend on timing, so without this a re-run
+    splits the same text differently and the committed notebook changes for nothing.
+    """
+    for cell in nb.cells:
+        merged = []
+        for out in cell.get("outputs", []):
+            last = merged[-1] if merged else None
+            if (out.get("output_type") == "stream" and last is not None
+                    and last.get("output_type") == "stream" and last.get("name") == out.get("name")):
+                last["text"] += out["text"]
+            else:
+                merged.append(out)
+        if "outputs" in cell:
+            cell.outputs = merged
 
 
 def stamp_lesson(nb, source: Path) -> None:
