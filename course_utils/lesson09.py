@@ -176,10 +176,20 @@ def _group_members(pgid: int) -> list[str]:
         with contextlib.suppress(OSError, IndexError, ValueError):
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             if int(fields[2]) == pgid and fields[0] != "Z":
-                argv = (entry / "cmdline").read_bytes().decode(errors="replace").rstrip("\0").split("\0")
+                argv = _command_line(entry)
                 # the program's name, not its path: a message reads the same in any checkout
                 found.append(" ".join([Path(argv[0]).name, *argv[1:]]))
     return found
+
+
+def _command_line(entry: Path) -> list[str]:
+    """A process's argv from /proc; a process in the middle of exec shows an empty one for a moment, so wait it out."""
+    for _ in range(20):
+        raw = (entry / "cmdline").read_bytes()
+        if raw:
+            break
+        time.sleep(0.05)
+    return raw.decode(errors="replace").rstrip("\0").split("\0")
 
 
 # Functions that run on every rank: fn(rank, world_size, ...). They print; Workers prefixes [rank N].

@@ -6,6 +6,7 @@ import ctypes
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -1008,12 +1009,26 @@ def test_the_scan_sees_a_leftover_process_in_a_session_of_its_own():
         shell = subprocess.run(["sh", "-c", "setsid sleep 30 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, timeout=10)
         leftover = int(shell.stdout)
         try:
-            # `$!` is setsid's pid: it calls setsid() and then becomes sleep, which takes it a moment.
+            # `$!` is setsid's pid: it calls setsid() and then execs sleep, which takes it a moment. While the exec
+            # is under way /proc shows an empty command line (seen in CI), so wait for both steps.
             deadline = time.monotonic() + 10
-            while os.getsid(leftover) == os.getsid(0) and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                left = {pid: c for pid, c in _living_children().items() if pid not in before}
+                if os.getsid(leftover) != os.getsid(0) and "sleep" in left.get(leftover, ""):
+                    break
                 time.sleep(0.05)
             assert os.getsid(leftover) != os.getsid(0)
-            left = {pid: c for pid, c in _living_children().items() if pid not in before}
-            assert leftover in left and "sleep" in left[leftover]
+            assert leftover in left and "sleep" in left[leftover], left
         finally:
             _kill([leftover])
+
+
+def test_a_command_line_read_mid_exec_is_waited_for(tmp_path):
+    """/proc shows an empty cmdline while a process execs; the scan reads again rather than name the process ''."""
+    (tmp_path / "cmdline").write_bytes(b"")
+    timer = threading.Timer(0.2, (tmp_path / "cmdline").write_bytes, [b"/usr/bin/python3\0-c\0pass\0"])
+    timer.start()
+    try:
+        assert L._command_line(tmp_path) == ["/usr/bin/python3", "-c", "pass"]
+    finally:
+        timer.cancel()
