@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterator, Sequence
 # Children read these before importing torch: one thread each (two ranks share two cores),
 # no C++ log lines below ERROR level, and tracebacks without colour codes (a Jupyter kernel
 # sets FORCE_COLOR, with which Python 3.13 colours the tracebacks its children print).
-_CHILD_ENV = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHON_COLORS": "0"}
 _PLAIN_TRACEBACKS = {"PYTHON_COLORS": "0"}
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", **_PLAIN_TRACEBACKS}
 
 
 @contextlib.contextmanager
@@ -124,7 +124,7 @@ class Workers:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self.processes = []
-        with _environment(_CHILD_ENV):
+        with _environment(CHILD_ENV):
             for rank in range(world_size):
                 p = ctx.Process(target=_child, name=f"rank{rank}", daemon=True,
                                 args=(rank, world_size, self.port, backend, pg_timeout, self._tasks[rank], self._results, self._log_dir.name))
@@ -296,7 +296,7 @@ def torchrun(target: str | os.PathLike, nproc: int = 2, args: Sequence[str] = ()
     script = str(target).endswith(".py") or isinstance(target, os.PathLike)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                *([] if script else ["-m"]), str(target), *args]
-    env = {**os.environ, **_CHILD_ENV}
+    env = {**os.environ, **CHILD_ENV}
     folder = Path(cwd) if cwd is not None else Path(__file__).resolve().parent.parent
     # start_new_session: on a timeout, the launcher and every rank it started are killed together.
     with subprocess.Popen(guarded(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -103,28 +104,31 @@ def shard_model(model: nn.Sequential, mesh) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)  # after fully_shard: it swapped in DTensor parameters
 
 
+@dataclass
 class RankRun:
     """What one rank of a launched script did: exit code, output, the probe's record, and whether it was killed."""
 
-    def __init__(self, rank: int, returncode: int | None, stdout: str, stderr: str, record: dict | None, killed: bool,
-                 left_behind: list[str]):
-        self.rank, self.returncode, self.stdout, self.stderr = rank, returncode, stdout, stderr
-        self.record, self.killed, self.left_behind = record, killed, left_behind
+    rank: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+    record: dict | None
+    killed: bool
+    left_behind: list[str]
 
 
 def run_script(script: Path, args: list[str], folder: Path, world_size: int = 2, timeout: float = 20.0,
                grace: float = 6.0) -> list[RankRun]:
     """Start `world_size` ranks of a script as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment),
     each recorded by course_utils.ddp_models' probe; kill any rank still running `grace` s after another ended, or after `timeout` s."""
-    from course_utils.distributed import free_port
+    from course_utils.distributed import CHILD_ENV, free_port
     from course_utils.tooling.runner import guarded
 
     port = free_port()
-    base = {**os.environ, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
+    base = {**os.environ, **CHILD_ENV, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
             "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "lesson09-check",
-            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-            "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1", "PYTHON_COLORS": "0",
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "PYTHONUNBUFFERED": "1",
             ddp_models.PROBE_ENV: str(folder)}
     procs, files, left = [], [], []
     try:
