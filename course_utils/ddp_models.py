@@ -6,7 +6,6 @@ module: a class defined there (Block) would be another class than the one the no
 The probe is off unless course_utils.lesson09.run_script starts the rank with RANK_COMMAND.
 """
 
-import linecache
 import os
 import runpy
 import sys
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from course_utils.tooling.checks import STUB_LINE
+from course_utils.tooling.checks import stub_frame
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -148,13 +147,9 @@ def _error_record(err: BaseException, script: str) -> dict:
     while tb is not None:
         if os.path.realpath(tb.tb_frame.f_code.co_filename) == os.path.realpath(script):
             frame = (tb.tb_frame.f_code.co_name, tb.tb_lineno)
-        last = tb
         tb = tb.tb_next
-    stub = False
-    if isinstance(err, NotImplementedError) and not err.args and err.__traceback__ is not None:
-        code = last.tb_frame.f_code
-        stub = (os.path.realpath(code.co_filename) == os.path.realpath(script)
-                and linecache.getline(code.co_filename, last.tb_lineno).strip() == STUB_LINE)
+    stub_at = stub_frame(err)
+    stub = stub_at is not None and os.path.realpath(stub_at[1]) == os.path.realpath(script)
     lines = str(err).strip().splitlines()
     return {"type": type(err).__name__, "message": lines[0] if lines else "", "stub": stub,
             "function": frame[0] if frame else None, "line": frame[1] if frame else None, "time": time.time()}
