@@ -548,7 +548,7 @@ class _SimulatedWorld:
         self.local = threading.local()
         self.events: list[list[str]] = [[] for _ in range(world_size)]
         self.pending: list[list[_Work]] = [[] for _ in range(world_size)]
-        self.unwaited: dict[int, str] = {}
+        self.unwaited: set[int] = set()  # ranks that returned with an async collective never waited on
         self.hung: dict[int, str] = {}
 
     def rank(self) -> int:
@@ -705,7 +705,7 @@ class _SimulatedWorld:
                 if not isinstance(err, _Hang):
                     self._gate.abort()  # the others would wait for this rank forever
             if self.pending[rank]:
-                self.unwaited[rank] = "all_reduce"
+                self.unwaited.add(rank)
 
         saved = {name: getattr(dist, name) for name in self.PATCHED}
         c10d = dist.distributed_c10d  # where the collectives are defined: a learner may call them from there
