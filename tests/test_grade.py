@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from course_utils.distributed import process_status
-from course_utils.tooling import grade, layout
+from course_utils.tooling import grade, gradebook, layout
 from course_utils.tooling.build import BEGIN, END
 from course_utils.tooling.classroom import external_references
 from course_utils.tooling.layout import learner_path, source_for
@@ -251,13 +251,13 @@ def _table():
 
 
 def test_submission_summary():
-    summary = grade.submission_summary(_table())
+    summary = gradebook.submission_summary(_table())
     assert summary.loc["a", "score"] == "1/2" and summary.loc["b", "score"] == "0/2"
     assert summary.loc["d", "score"] == "unreadable" and summary.loc["d", "note"] == "the file is empty"
 
 
 def test_exercise_summary_pass_rate_and_most_common_failure():
-    summary = grade.exercise_summary(_table()).set_index("exercise")
+    summary = gradebook.exercise_summary(_table()).set_index("exercise")
     assert summary.loc["add_one", "pass rate"] == pytest.approx(33.3)
     assert summary.loc["mean_value", "pass rate"] == 0
     assert summary.loc["mean_value", "most common failure"] == "returned a tensor (2x)"
@@ -266,7 +266,7 @@ def test_exercise_summary_pass_rate_and_most_common_failure():
 
 
 def test_html_report_without_a_kernel():
-    page = grade.html_report(_table(), "Gradebook: <class>")
+    page = gradebook.html_report(_table(), "Gradebook: <class>")
     assert "Gradebook: &lt;class&gt;" in page and "data:image/png;base64," in page
     assert not external_references(page)
 
