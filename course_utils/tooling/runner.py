@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from course_utils.tooling.layout import CourseError
@@ -84,8 +85,12 @@ def kill_descendants() -> None:
             pass
 
 
+class CheckerKilled(CourseError):
+    """The checker (pytest) was ended by a signal before it wrote its scoreboard."""
+
+
 def run_guarded(command: list[str], *, env: dict | None = None, cwd: Path | None = None,
-                timeout: float | None = None) -> subprocess.CompletedProcess:
+                timeout: float | None = None, pass_fds: tuple[int, ...] = ()) -> subprocess.CompletedProcess:
     """Run a command and everything it starts; on return, Ctrl-C, or a time-out, none of it is left running.
 
     For a process that runs one such command at a time (the command line, one grading job):
@@ -94,7 +99,7 @@ def run_guarded(command: list[str], *, env: dict | None = None, cwd: Path | None
     """
     become_subreaper()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(guarded(command), stdout=out, stderr=err, text=True, env=env, cwd=cwd)
+        proc = subprocess.Popen(guarded(command), stdout=out, stderr=err, text=True, env=env, cwd=cwd, pass_fds=pass_fds)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -125,24 +130,54 @@ def require_nbval() -> None:
         ) from None
 
 
+def read_all(fd: int) -> "threading.Thread":
+    """Read a pipe until EOF in a thread (so that a writer never blocks on a full pipe); the text is in thread.text."""
+    def drain() -> None:
+        chunks = []
+        with os.fdopen(fd, "rb") as pipe:
+            while chunk := pipe.read(65536):
+                chunks.append(chunk)
+        reader.text = b"".join(chunks).decode("utf-8", "replace")
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.text = ""
+    reader.start()
+    return reader
+
+
 def run_checker(notebooks: list[Path], *, exercise_timeout: float | None = None, cell_timeout: float | None = None,
-                timeout: float | None = None) -> dict:
-    """Run the checker (nbval, check mode) over notebooks; return the plugin's JSON scoreboard."""
+                timeout: float | None = None, kernel_start_timeout: float | None = None) -> dict:
+    """Run the checker (nbval, check mode) over notebooks; return the plugin's JSON scoreboard.
+
+    The scoreboard comes back through a pipe that only pytest holds (the plugin makes pytest
+    non-dumpable, so a notebook's code cannot open it through /proc), never through a file that
+    the notebook's code could write first. A pytest killed by a signal raises CheckerKilled.
+    """
     require_nbval()
     with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
+        read_end, write_end = os.pipe()
+        reader = read_all(read_end)
         command = [
             sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-q", "-p", "no:cacheprovider",
-            "--no-header", "-rN", "--tb=no", "--course-report", str(report),
+            "--no-header", "-rN", "--tb=no", "--course-report", f"/dev/fd/{write_end}",
         ]
         if exercise_timeout is not None:
             command.append(f"--course-exercise-timeout={exercise_timeout:g}")
         if cell_timeout is not None:
             command.append(f"--course-cell-timeout={cell_timeout:g}")
+        if kernel_start_timeout is not None:
+            command.append(f"--nbval-kernel-startup-timeout={kernel_start_timeout:g}")
         command += [str(Path(n).resolve()) for n in notebooks]
         env = {**os.environ, "COURSE_CHECK_MODE": "1"}
         env.pop("PYTEST_ADDOPTS", None)
-        result = run_guarded(command, env=env, cwd=Path(tmp), timeout=timeout)
-        if not report.exists():
+        try:
+            result = run_guarded(command, env=env, cwd=Path(tmp), timeout=timeout, pass_fds=(write_end,))
+        finally:
+            os.close(write_end)  # every other holder is gone (run_guarded killed them), so the reader sees EOF
+            reader.join()
+        if result.returncode < 0:
+            name = signal.Signals(-result.returncode).name
+            raise CheckerKilled(f"the checker was killed by {name} while the notebook ran")
+        if not reader.text:
             raise CourseError(f"the checker did not run:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
-        return json.loads(report.read_text())
+        return json.loads(reader.text)
