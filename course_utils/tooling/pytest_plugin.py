@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from queue import Empty
@@ -66,7 +67,21 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("course_strict_warnings", False):
         # Show every deprecation, not only __main__'s.
         os.environ["PYTHONWARNINGS"] = "default::DeprecationWarning,default::FutureWarning"
+    if config.getoption("course_report", None):
+        _not_dumpable()
     _watch_kernels_die()
+
+
+def _not_dumpable() -> None:
+    """Keep processes of the same user (a notebook's code) out of /proc/PID/fd and /proc/PID/mem of this pytest.
+
+    The scoreboard leaves through a pipe only this process holds; without CAP_SYS_PTRACE (the
+    grading sandbox drops every capability) nothing else can open it or write into it.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0)  # PR_SET_DUMPABLE
 
 
 def _watch_kernels_die() -> None:
@@ -328,6 +343,8 @@ def _interrupted(item: pytest.Item, call: pytest.CallInfo) -> str | None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
+    if call.when == "setup" and report.failed and _is_cell(item):
+        _kernel_did_not_start(item, call)
     if call.when != "call":
         return report
     if isinstance(item, MissingCheck):
@@ -375,6 +392,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     return report
 
 
+def _kernel_did_not_start(item: pytest.Item, call: pytest.CallInfo) -> None:
+    """The notebook's kernel did not start: the checker's own failure, never the learner's, so it is recorded apart."""
+    record = _notebook(item)
+    if record.get("error"):
+        return  # every cell of the notebook fails in the same setup
+    lines = str(call.excinfo.value).strip().splitlines() if call.excinfo else []
+    what = f"{call.excinfo.typename}: {lines[0]}" if lines else (call.excinfo.typename if call.excinfo else "unknown")
+    record["error"] = f"the notebook's kernel did not start ({what})"
+    for verdict in record["exercises"].values():
+        if verdict["status"] == "not run":
+            verdict["reason"] = f"not run: {record['error']}; run the check again"
+
+
 def _stop_notebook(item: pytest.Item, why: str) -> None:
     item.parent.course_broken = f"{why.split(':')[0]} failed earlier in this notebook"
     _notebook(item)["stopped_at"] = why
@@ -401,6 +431,8 @@ def scoreboard_lines(results: dict[str, dict]) -> list[str]:
         lines.append(f"  {len(exercises_)} exercises: {total}{extra}")
         if result["stopped_at"]:
             lines.append(f"  stopped early at {result['stopped_at']}; the cells after it did not run")
+        if result.get("error"):
+            lines.append(f"  the checker failed, not your notebook: {result['error']}; run the check again")
     return lines
 
 
@@ -411,6 +443,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             "exercises": {name: {"status": v["status"], "reason": v["reason"]} for name, v in nb["exercises"].items()},
             "stopped_at": nb["stopped_at"],
             "seconds": {name: round(s, 2) for name, s in nb.get("seconds", {}).items()},
+            **({"error": nb["error"]} if nb.get("error") else {}),
         }
         for path, nb in config._course_results.items()
     }
