@@ -95,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     p_restore.add_argument("backup", nargs="?", help="the backup's file name (default: the newest)")
     p_restore.add_argument("--list", action="store_true", help="list the lesson's backups instead")
     p_grade = sub.add_parser("grade", help="grade a folder of submitted notebooks: a CSV, summary tables, an HTML page",
-                             description="Grade every notebook under DIR with the checker, each in a process of its own. "
-                                         "This runs the submitted code: do it in a container or as an unprivileged user.")
+                             description="Grade every notebook under DIR with the checker, each in a sandbox of its own "
+                                         "(bubblewrap: Debian/Ubuntu package `bubblewrap`): the course is read-only there, and "
+                                         "DIR, the other submissions, the gradebook, the network and your environment are absent.")
     p_grade.add_argument("folder", metavar="DIR", help="the folder of submissions (any file names; nothing is written to it)")
     p_grade.add_argument("--out", metavar="FILE.csv", help="write one row per submission per exercise to this CSV")
     p_grade.add_argument("--html", metavar="FILE.html", help="write a self-contained page with the summary and a pass-rate chart")
@@ -104,6 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     p_grade.add_argument("--exercise-timeout", type=float, default=None, metavar="S", help="time limit of one exercise (default: the checker's, 30 s)")
     p_grade.add_argument("--cell-timeout", type=float, default=None, metavar="S", help="time limit of any other cell (default: the checker's, 600 s)")
     p_grade.add_argument("--timeout", type=float, default=900, metavar="S", help="time limit of a whole submission (default 900 s)")
+    p_grade.add_argument("--feedback", metavar="DIR2", help="write one HTML page per submission, its scoreboard with each reason, to send back")
+    p_grade.add_argument("--retry-errors", action="store_true",
+                         help="grade again only the submissions whose rows in the --out CSV are `error` (the grader failed, not them)")
+    p_grade.add_argument("--no-sandbox", action="store_true",
+                         help="grade without bubblewrap (UNSAFE: a submission can then read and change anything you can); the gradebook records it")
+    p_grade.add_argument("--memory-mb", type=int, default=None, metavar="MB", help="memory limit of each process of a submission")
+    p_grade.add_argument("--max-processes", type=int, default=None, metavar="N", help="process limit of a submission's user")
+    p_grade.add_argument("--max-open-files", type=int, default=None, metavar="N", help="open-file limit of each process")
+    p_grade.add_argument("--max-file-size-mb", type=int, default=None, metavar="MB", help="largest file a submission may write")
     p_build = sub.add_parser("build", help="regenerate the course's learner copies in notebooks/ from notebooks/solutions/")
     p_build.add_argument("lessons", nargs="*", help="lesson numbers (default: all)")
     p_build.add_argument("--execute", action="store_true", help="re-run each solution notebook first, refreshing its outputs")
@@ -169,8 +179,13 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "grade":
         from course_utils.tooling.grade import main as grade
+        from course_utils.tooling.sandbox import Limits
 
-        return grade(args.folder, args.out, args.html, args.jobs, args.exercise_timeout, args.cell_timeout, args.timeout)
+        chosen = {"memory_mb": args.memory_mb, "processes": args.max_processes, "open_files": args.max_open_files,
+                  "file_size_mb": args.max_file_size_mb}
+        limits = Limits(**{name: value for name, value in chosen.items() if value is not None})
+        return grade(args.folder, args.out, args.html, args.jobs, args.exercise_timeout, args.cell_timeout, args.timeout,
+                     feedback=args.feedback, retry_errors=args.retry_errors, sandboxed=not args.no_sandbox, limits=limits)
     if args.command == "build":
         from course_utils.tooling.build import build
 

@@ -1,18 +1,28 @@
-"""A class gradebook: `python -m course_utils grade DIR [--out FILE.csv] [--html FILE.html] [--jobs N]`.
+"""A class gradebook: `python -m course_utils grade DIR [--out FILE.csv] [--html FILE.html] [--feedback DIR2] [--jobs N]`.
 
 Every file under DIR is a submission, whatever its name. Its lesson comes from its content
 (the lesson number in its metadata, else its exercise tags, else the `lessonNN.check_...` calls
-in its cells), never from its file name. Each submission is copied into a temporary folder and
-checked there by the course's checker in a process of its own, with the checker's time limits,
-so nothing is written to DIR and a hang or a dead kernel costs one submission, not the run.
+in its cells), never from its file name.
 
-Grading runs the submitted code: run it in a container, or as an unprivileged user.
+Each submission is graded in a sandbox of its own (course_utils.tooling.sandbox, made with
+bubblewrap): a copy of the notebook and a private HOME and /tmp are all it can write; the course
+and its Python are read-only; DIR, every other submission, the gradebook and the grader's
+environment are not there at all; it has no network but its own loopback, and its own process
+namespace, which ends with it. Its verdicts come back through a pipe that only the grading
+process inside its sandbox holds, and the CSV and HTML are written by this process once every
+sandbox has ended. `--no-sandbox` grades without it (unsafe: a submission can then reach all of
+that), and the gradebook says so.
 
 Statuses, one row per submission per exercise:
 - pass, not attempted, failed: the check's verdict (a check that did not run because an earlier
   cell hung, failed or killed the kernel is failed, with that reason);
 - missing: the submission lacks the exercise's check cell;
-- unreadable: the file is empty, truncated, not a notebook, or no lesson of this course.
+- unreadable: the file is empty, truncated, not a notebook, or no lesson of this course;
+- error: the grader's own machinery failed (a kernel that did not start, the sandbox that did not
+  start, a crash of the grading process), twice: never the student's fault; `--retry-errors`
+  grades those submissions again.
+The `review` column names what a submission did that an instructor should look at (it imported
+the course's reference, inspected the check's frame, patched the checker, killed the checker...).
 """
 
 import json
@@ -26,14 +36,34 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from course_utils.tooling.gradebook import COLUMNS, STATUSES, format_summary, html_report  # noqa: F401 (STATUSES: the statuses, for callers)
+from course_utils.tooling import sandbox
+from course_utils.tooling.gradebook import COLUMNS, STATUSES, format_summary, html_report, write_atomic, write_feedback  # noqa: F401
 from course_utils.tooling.layout import CourseError, exercises, lesson_of, read_notebook_json, shown, source_for
-from course_utils.tooling.runner import become_subreaper, guarded, kill_descendants
+from course_utils.tooling.runner import become_subreaper, guarded, kill_descendants, read_all
 
 SUBMISSION_TIMEOUT = 900  # seconds for a whole submission, on top of the checker's limits per cell
+KERNEL_START = 60  # nbval's default limit for a kernel to start; a retry doubles it
 CHECK_CALL = re.compile(r"\blesson(\d\d)\.check_\w+\(")
+NO_SANDBOX_WARNING = ("warning: grading WITHOUT a sandbox (--no-sandbox): each submission runs with your user's rights and can "
+                      "read, change or kill anything you can, other students' grades included; the gradebook records this")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How each submission is graded: the checker's time limits, the sandbox and its limits."""
+
+    exercise_timeout: float | None = None
+    cell_timeout: float | None = None
+    timeout: float = SUBMISSION_TIMEOUT
+    kernel_start_timeout: float = KERNEL_START
+    sandboxed: bool = True
+    limits: sandbox.Limits = field(default_factory=sandbox.Limits)
+    hide: tuple[Path, ...] = ()  # inside the course's folders, yet never to be seen by a submission (DIR, the gradebook)
+    threads: int | None = None
+    env: tuple[tuple[str, str], ...] = ()  # extra environment for the submission's processes
 
 
 # ---------------------------------------------------------------- which submissions, which lesson
@@ -70,8 +100,10 @@ def submission_lesson(nb: dict) -> str | None:
 
 # ---------------------------------------------------------------- one submission
 
-def _row(name: str, lesson: str, exercise: str, status: str, reason: str, seconds: float | None) -> dict:
-    return dict(zip(COLUMNS, (name, lesson, exercise, status, reason, None if seconds is None else round(seconds, 2))))
+def _row(name: str, lesson: str, exercise: str, status: str, reason: str, seconds: float | None,
+         review: str = "", sandbox_used: str = "bwrap") -> dict:
+    values = (name, lesson, exercise, status, reason, None if seconds is None else round(seconds, 2), review, sandbox_used)
+    return dict(zip(COLUMNS, values))
 
 
 def _status(verdict: dict) -> tuple[str, str]:
@@ -100,9 +132,14 @@ def rows_from_report(name: str, lesson: str, result: dict, seconds: float) -> li
     return rows
 
 
+def lesson_rows(name: str, lesson: str, status: str, reason: str) -> list[dict]:
+    """Every exercise of the lesson with one status and reason (the checker did not finish, so no exercise's time is known)."""
+    return [_row(name, lesson, ex.name, status, reason, None) for ex in exercises(lesson)]
+
+
 def failed_rows(name: str, lesson: str, reason: str) -> list[dict]:
-    """Every exercise of the lesson failed with one reason (the checker did not finish, so no exercise's time is known)."""
-    return [_row(name, lesson, ex.name, "failed", reason, None) for ex in exercises(lesson)]
+    """Every exercise of the lesson failed with one reason."""
+    return lesson_rows(name, lesson, "failed", reason)
 
 
 def _last_line(text: str) -> str:
@@ -110,18 +147,29 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-class Grader:
-    """Runs submissions in child processes, a few at a time, and can stop them all."""
+def _flags(nb: dict) -> list[str]:
+    """What the submission's code does that an instructor should look at, read from its cells without running them."""
+    from course_utils.tooling.tamper import scan
 
-    def __init__(self, *, exercise_timeout: float | None = None, cell_timeout: float | None = None,
-                 timeout: float = SUBMISSION_TIMEOUT, threads: int | None = None):
-        self.exercise_timeout, self.cell_timeout, self.timeout, self.threads = exercise_timeout, cell_timeout, timeout, threads
+    return scan(nb)
+
+
+class Grader:
+    """Runs submissions, each in a sandbox of its own (or a plain child process with --no-sandbox), and can stop them all."""
+
+    def __init__(self, settings: Settings = Settings()):
+        self.settings = settings
         self._running: set[subprocess.Popen] = set()
         self._lock = threading.Lock()
         self.stopping = False
 
     def grade(self, path: Path, name: str) -> list[dict]:
         """The rows of one submission (never raises for anything the submission does)."""
+        rows = self._grade(path, name)
+        used = "bwrap" if self.settings.sandboxed else "none"
+        return [{**row, "sandbox": used} for row in rows]
+
+    def _grade(self, path: Path, name: str) -> list[dict]:
         start = time.perf_counter()
         try:
             nb = read_notebook_json(path)
@@ -130,46 +178,70 @@ class Grader:
         lesson = submission_lesson(nb)
         if lesson is None:
             return [_row(name, "", "", "unreadable", "not a notebook of this course: no lesson's exercises in it", time.perf_counter() - start)]
-        with tempfile.TemporaryDirectory(prefix="course-grade-") as tmp:
-            copy = Path(tmp) / source_for(lesson).name  # nbval wants .ipynb; the kernel runs in tmp
-            shutil.copyfile(path, copy)
-            outcome = self._run_child(copy, Path(tmp) / "result.json")
+        review = _flags(nb)
+        outcome = self._attempt(path, lesson, self.settings)
+        if "machinery" in outcome and not self.stopping:  # the grader's fault: once more, with more time to start
+            longer = replace(self.settings, kernel_start_timeout=2 * self.settings.kernel_start_timeout)
+            outcome = self._attempt(path, lesson, longer)
+        review += [flag for flag in outcome.get("review", []) if flag not in review]
         seconds = time.perf_counter() - start
         if "result" in outcome:
-            return rows_from_report(name, lesson, outcome["result"], seconds)
-        if outcome.get("unreadable"):
-            return [_row(name, lesson, "", "unreadable", outcome["unreadable"], seconds)]
-        return failed_rows(name, lesson, outcome["error"])
+            rows = rows_from_report(name, lesson, outcome["result"], seconds)
+        elif "unreadable" in outcome:
+            rows = [_row(name, lesson, "", "unreadable", outcome["unreadable"], seconds)]
+        elif "machinery" in outcome:
+            rows = lesson_rows(name, lesson, "error", f"the grader failed, not the submission: {outcome['machinery']}; grade this submission again")
+        else:
+            rows = failed_rows(name, lesson, outcome["failed"])
+        return [{**row, "review": "; ".join(review)} for row in rows]
 
-    def _run_child(self, copy: Path, out: Path) -> dict:
-        command = [sys.executable, "-m", "course_utils.tooling.grade", str(copy), str(out), f"--timeout={self.timeout:g}"]
-        if self.exercise_timeout is not None:
-            command.append(f"--exercise-timeout={self.exercise_timeout:g}")
-        if self.cell_timeout is not None:
-            command.append(f"--cell-timeout={self.cell_timeout:g}")
-        env = dict(os.environ)
-        if self.threads:  # a few kernels share the cores: one thread pool each, not one per core each
-            env.setdefault("OMP_NUM_THREADS", str(self.threads))
-        with self._lock:
-            if self.stopping:
-                return {"error": "grading was interrupted"}
-            proc = subprocess.Popen(guarded(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env=env, cwd=copy.parent)
-            self._running.add(proc)
-        try:
-            _, err = proc.communicate(timeout=self.timeout + 60)  # the child keeps its own limit; this is a backstop
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-            return {"error": f"the checker did not finish within {self.timeout:g} s"}
-        finally:
-            with self._lock:
-                self._running.discard(proc)
-        if out.exists():
-            return json.loads(out.read_text())
+    def _attempt(self, path: Path, lesson: str, settings: Settings) -> dict:
+        """Grade one copy of the submission once: the child's outcome (result, unreadable, failed or machinery)."""
+        with tempfile.TemporaryDirectory(prefix="course-grade-") as tmp:
+            workdir = Path(tmp)
+            copy = workdir / source_for(lesson).name  # nbval wants .ipynb; the kernel runs in workdir
+            shutil.copyfile(path, copy)
+            return self._run_child(copy, workdir, settings)
+
+    def _run_child(self, copy: Path, workdir: Path, settings: Settings) -> dict:
+        read_end, write_end = os.pipe()
+        reader = read_all(read_end)
+        child = [sys.executable, "-m", "course_utils.tooling.grade", str(copy), f"--result-fd={write_end}", *_child_options(settings)]
+        env = dict(settings.env)
+        if settings.threads:  # a few kernels share the cores: one thread pool each, not one per core each
+            env.setdefault("OMP_NUM_THREADS", str(settings.threads))
+        if settings.sandboxed:
+            command, env = sandbox.command(child, workdir=workdir, env=env, hide=settings.hide, keep_fds=[write_end]), None
+        else:
+            command, env = guarded(child), {**os.environ, **env}
+        with tempfile.TemporaryFile("w+") as err:
+            try:
+                with self._lock:
+                    if self.stopping:
+                        return {"failed": "grading was interrupted"}
+                    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=err, stderr=err, text=True,
+                                            env=env, cwd=workdir, pass_fds=(write_end,))
+                    self._running.add(proc)
+            finally:
+                os.close(write_end)
+            try:
+                proc.wait(timeout=settings.timeout + 60)  # the child keeps its own limit; this is a backstop
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                return {"failed": f"the checker did not finish within {settings.timeout:g} s"}
+            finally:
+                with self._lock:
+                    self._running.discard(proc)
+                reader.join(10)
+            err.seek(0)
+            stderr = err.read()
+        if reader.text:
+            return json.loads(reader.text)
         if self.stopping:
-            return {"error": "grading was interrupted"}
-        return {"error": f"the checker crashed: {_last_line(err)}"}
+            return {"failed": "grading was interrupted"}
+        where = "the sandbox did not start or" if settings.sandboxed else "the grading process"
+        return {"machinery": f"{where} crashed (exit {proc.returncode}): {_last_line(stderr)}"}
 
     def stop(self) -> None:
         """Kill every submission being graded (each child takes its checker and kernel with it)."""
@@ -177,6 +249,19 @@ class Grader:
             self.stopping = True
             for proc in self._running:
                 proc.kill()
+
+
+def _child_options(settings: Settings) -> list[str]:
+    options = [f"--timeout={settings.timeout:g}", f"--kernel-start-timeout={settings.kernel_start_timeout:g}"]
+    if settings.exercise_timeout is not None:
+        options.append(f"--exercise-timeout={settings.exercise_timeout:g}")
+    if settings.cell_timeout is not None:
+        options.append(f"--cell-timeout={settings.cell_timeout:g}")
+    if settings.sandboxed:
+        limits = settings.limits
+        options += [f"--memory-mb={limits.memory_mb}", f"--processes={limits.processes}",
+                    f"--open-files={limits.open_files}", f"--file-size-mb={limits.file_size_mb}"]
+    return options
 
 
 def _unreadable_reason(err: CourseError, path: Path) -> str:
@@ -192,29 +277,62 @@ def _unreadable_reason(err: CourseError, path: Path) -> str:
     return message
 
 
-def _child(argv: list[str]) -> int:
-    """In the child process: check one copied submission and write the checker's scoreboard (or what went wrong) as JSON."""
-    import argparse
+def _keep_private(fd: int) -> None:
+    """Nothing this process starts inherits fd, and no other process of this user can open it through /proc."""
+    os.set_inheritable(fd, False)
+    if sys.platform.startswith("linux"):
+        import ctypes
 
-    from course_utils.tooling.runner import run_checker
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0)  # PR_SET_DUMPABLE
+
+
+def _check_one(args) -> dict:
+    """Check the copied submission; the outcome as the grader reads it."""
+    from course_utils.tooling.runner import CheckerKilled, run_checker
+
+    try:
+        results = run_checker([args.notebook], exercise_timeout=args.exercise_timeout, cell_timeout=args.cell_timeout,
+                              timeout=args.timeout, kernel_start_timeout=args.kernel_start_timeout)
+    except CheckerKilled as err:  # only the submission's own processes share its sandbox
+        return {"failed": f"{err}: the notebook's code stopped the checker", "review": ["the checker was killed from inside the submission"]}
+    except TimeoutError as err:
+        return {"failed": str(err)}
+    except CourseError as err:  # the checker did not run: nbval could not read the notebook
+        return {"unreadable": f"the checker could not read it: {_last_line(str(err))}"}
+    result = next(iter(results.values()), None)
+    if not result:
+        return {"unreadable": "the checker could not collect it as a notebook"}
+    if result.get("error"):
+        return {"machinery": result["error"], "review": result.get("review", [])}
+    return {"result": result, "review": result.get("review", [])}
+
+
+def _child(argv: list[str]) -> int:
+    """In the child process (inside the sandbox): check one copied submission and write the outcome as JSON to --result-fd."""
+    import argparse
 
     parser = argparse.ArgumentParser(prog="python -m course_utils.tooling.grade", description="check one submission (used by grade)")
     parser.add_argument("notebook", type=Path)
-    parser.add_argument("out", type=Path)
+    parser.add_argument("--result-fd", type=int, required=True)
     parser.add_argument("--timeout", type=float, default=SUBMISSION_TIMEOUT)
+    parser.add_argument("--kernel-start-timeout", type=float, default=KERNEL_START)
     parser.add_argument("--exercise-timeout", type=float, default=None)
     parser.add_argument("--cell-timeout", type=float, default=None)
+    parser.add_argument("--memory-mb", type=int, default=None)
+    parser.add_argument("--processes", type=int, default=None)
+    parser.add_argument("--open-files", type=int, default=None)
+    parser.add_argument("--file-size-mb", type=int, default=None)
     args = parser.parse_args(argv)
+    _keep_private(args.result_fd)
+    if args.memory_mb is not None:  # before any of the submission's code runs, so that all of it inherits them
+        sandbox.apply_limits(sandbox.Limits(memory_mb=args.memory_mb, processes=args.processes,
+                                            open_files=args.open_files, file_size_mb=args.file_size_mb))
     try:
-        results = run_checker([args.notebook], exercise_timeout=args.exercise_timeout,
-                              cell_timeout=args.cell_timeout, timeout=args.timeout)
-        result = next(iter(results.values()), None)
-        outcome = {"result": result} if result else {"unreadable": "the checker could not collect it as a notebook"}
-    except TimeoutError as err:
-        outcome = {"error": str(err)}
-    except CourseError as err:  # the checker did not run: nbval could not read the notebook
-        outcome = {"unreadable": f"the checker could not read it: {_last_line(str(err))}"}
-    args.out.write_text(json.dumps(outcome))
+        outcome = _check_one(args)
+    except Exception as err:  # noqa: BLE001 - the grader reports its own crash as an error, never as the student's
+        outcome = {"machinery": f"the grading process failed: {type(err).__name__}: {err}"}
+    with os.fdopen(args.result_fd, "w") as result:
+        result.write(json.dumps(outcome))
     return 0
 
 
@@ -256,23 +374,18 @@ def default_jobs() -> int:
         return os.cpu_count() or 1
 
 
-def grade_folder(folder: Path, *, jobs: int | None = None, exercise_timeout: float | None = None,
-                 cell_timeout: float | None = None, timeout: float = SUBMISSION_TIMEOUT, progress: bool = True):
-    """Grade every submission under folder; return the gradebook as a pandas DataFrame (one row per submission per exercise)."""
+def grade_folder(folder: Path, *, jobs: int | None = None, settings: Settings = Settings(), progress: bool = True,
+                 only: set[str] | None = None):
+    """Grade the submissions under folder (only those named in `only`, if given); return the gradebook as a pandas DataFrame."""
     import pandas as pd
 
     folder = Path(folder)
-    if not folder.is_dir():
-        raise CourseError(f"{folder} is not a folder of submissions")
-    submissions = find_submissions(folder)
-    if not submissions:
-        raise CourseError(f"{folder} holds no files to grade")
-    jobs = max(1, min(jobs or default_jobs(), len(submissions)))
-    grader = Grader(exercise_timeout=exercise_timeout, cell_timeout=cell_timeout, timeout=timeout,
-                    threads=max(1, default_jobs() // jobs))
+    submissions = [p for p in find_submissions(folder) if only is None or p.relative_to(folder).as_posix() in only]
+    jobs = max(1, min(jobs or default_jobs(), len(submissions) or 1))
+    grader = Grader(replace(settings, threads=max(1, default_jobs() // jobs)))
     bar = ProgressBar(len(submissions)) if progress else None
     rows: dict[Path, list[dict]] = {}
-    become_subreaper()  # anything a submission leaves behind is adopted here, and killed at the end
+    become_subreaper()  # without the sandbox, anything a submission leaves behind is adopted here, and killed at the end
     pool = ThreadPoolExecutor(max_workers=jobs)
     try:
         futures = {pool.submit(grader.grade, p, p.relative_to(folder).as_posix()): p for p in submissions}
@@ -288,31 +401,112 @@ def grade_folder(folder: Path, *, jobs: int | None = None, exercise_timeout: flo
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         kill_descendants()
-    table = pd.DataFrame([r for p in submissions for r in rows.get(p, [])], columns=COLUMNS)
-    return table
+    return pd.DataFrame([r for p in submissions for r in rows.get(p, [])], columns=COLUMNS)
 
 
 def _inside(path: Path, folder: Path) -> bool:
     return path.resolve().is_relative_to(folder.resolve())
 
 
-def main(folder: str, out: str | None = None, html_out: str | None = None, jobs: int | None = None,
-         exercise_timeout: float | None = None, cell_timeout: float | None = None, timeout: float = SUBMISSION_TIMEOUT) -> int:
-    """The `grade` command: grade, print the summary, write the CSV and the page."""
+def _writable_target(target: str, what: str) -> None:
+    """Refuse now, before any grading, a place the gradebook could not be written to (by trying: root passes os.access)."""
+    path = Path(target)
+    if path.is_dir() and what != "--feedback":
+        raise CourseError(f"{what} {target} is a folder: give a file name")
+    if path.exists() and not path.is_dir() and what == "--feedback":
+        raise CourseError(f"{what} {target} is a file: give a folder")
+    parent = path if what == "--feedback" else path.parent
+    existing = next(p for p in [parent, *parent.parents] if p.exists())
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise CourseError(f"cannot write {what} {target}: {existing} is not a writable folder ({err.strerror})") from None
+
+
+def validate(folder: str, *, out: str | None, html_out: str | None, feedback: str | None, jobs: int | None,
+             exercise_timeout: float | None, cell_timeout: float | None, timeout: float,
+             retry_errors: bool, sandboxed: bool, limits: sandbox.Limits) -> None:
+    """Every argument of `grade`, checked before any grading starts (an hour of grading must not end in a bad path)."""
     folder_path = Path(folder)
-    for target in (out, html_out):
-        if target and folder_path.is_dir() and _inside(Path(target), folder_path):
-            raise CourseError(f"write {target} outside {folder}: grading writes nothing into the submissions' folder")
-    table = grade_folder(folder_path, jobs=jobs, exercise_timeout=exercise_timeout, cell_timeout=cell_timeout, timeout=timeout)
+    if not folder_path.is_dir():
+        raise CourseError(f"{folder} is not a folder of submissions")
+    if not find_submissions(folder_path):
+        raise CourseError(f"{folder} holds no files to grade")
+    for name, value in (("--timeout", timeout), ("--exercise-timeout", exercise_timeout), ("--cell-timeout", cell_timeout)):
+        if value is not None and not value > 0:
+            raise CourseError(f"{name} must be a number of seconds above 0, not {value:g}")
+    if jobs is not None and jobs < 1:
+        raise CourseError(f"--jobs must be 1 or more, not {jobs}")
+    for name in ("memory_mb", "processes", "open_files", "file_size_mb"):
+        if getattr(limits, name) < 1:
+            raise CourseError(f"--{name.replace('_', '-')} must be 1 or more, not {getattr(limits, name)}")
+    for target, what in ((out, "--out"), (html_out, "--html"), (feedback, "--feedback")):
+        if target and _inside(Path(target), folder_path):
+            raise CourseError(f"write {what} {target} outside {folder}: grading writes nothing into the submissions' folder")
+        if target:
+            _writable_target(target, what)
+    if retry_errors and not (out and Path(out).is_file()):
+        raise CourseError("--retry-errors regrades the `error` rows of an earlier gradebook: give that CSV with --out")
+    if sandboxed and not sandbox.bwrap_path():
+        raise CourseError("grading needs bubblewrap (bwrap) to keep each submission in a sandbox: "
+                          "install it (Debian/Ubuntu: `sudo apt-get install bubblewrap`), or grade with --no-sandbox (unsafe)")
+
+
+def _merge_retried(previous, regraded):
+    """The earlier gradebook with the regraded submissions' rows put in place of their old ones."""
+    import pandas as pd
+
+    kept = previous[~previous["submission"].isin(set(regraded["submission"]))]
+    order = {name: i for i, name in enumerate(dict.fromkeys(previous["submission"]))}
+    table = pd.concat([kept, regraded], ignore_index=True)
+    return table.sort_values("submission", key=lambda names: names.map(order), kind="stable").reset_index(drop=True)
+
+
+def _read_gradebook(path: str):
+    import pandas as pd
+
+    table = pd.read_csv(path, dtype=str, keep_default_na=False)
+    missing = [c for c in COLUMNS if c not in table.columns]
+    if missing:
+        raise CourseError(f"{path} is not a gradebook of this course: it lacks the column(s) {', '.join(missing)}")
+    table["seconds"] = pd.to_numeric(table["seconds"], errors="coerce")
+    return table
+
+
+def main(folder: str, out: str | None = None, html_out: str | None = None, jobs: int | None = None,
+         exercise_timeout: float | None = None, cell_timeout: float | None = None, timeout: float = SUBMISSION_TIMEOUT, *,
+         feedback: str | None = None, retry_errors: bool = False, sandboxed: bool = True,
+         limits: sandbox.Limits = sandbox.Limits()) -> int:
+    """The `grade` command: check the arguments, grade, print the summary, then write the CSV, the page and the feedback."""
+    validate(folder, out=out, html_out=html_out, feedback=feedback, jobs=jobs, exercise_timeout=exercise_timeout,
+             cell_timeout=cell_timeout, timeout=timeout, retry_errors=retry_errors, sandboxed=sandboxed, limits=limits)
+    if not sandboxed:
+        print(NO_SANDBOX_WARNING, file=sys.stderr)
+    folder_path = Path(folder)
+    hidden = tuple(Path(p).resolve() for p in (folder, out, html_out, feedback) if p)
+    settings = Settings(exercise_timeout=exercise_timeout, cell_timeout=cell_timeout, timeout=timeout,
+                        sandboxed=sandboxed, limits=limits, hide=hidden)
+    previous = _read_gradebook(out) if retry_errors else None
+    only = set(previous.loc[previous["status"] == "error", "submission"]) if retry_errors else None
+    if only is not None and not only:
+        print(f"{out} has no `error` rows: nothing to grade again")
+        table = previous
+    else:
+        table = grade_folder(folder_path, jobs=jobs, settings=settings, only=only)
+        if previous is not None:
+            table = _merge_retried(previous, table)
+    # Every sandbox has ended: only now is anything written, and each file appears whole or not at all.
     print(format_summary(table))
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        table.to_csv(out, index=False)
+        write_atomic(Path(out), table.to_csv(index=False))
         print(f"\nwrote {out} ({len(table)} rows)")
     if html_out:
-        Path(html_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(html_out).write_text(html_report(table, f"Gradebook: {folder_path.resolve().name}"), encoding="utf-8")
+        write_atomic(Path(html_out), html_report(table, f"Gradebook: {folder_path.resolve().name}"))
         print(f"wrote {html_out}")
+    if feedback:
+        pages = write_feedback(table, Path(feedback))
+        print(f"wrote {len(pages)} feedback pages to {feedback}")
     return 0
 
 
