@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -14,7 +15,7 @@ import pandas as pd
 import pytest
 
 from course_utils.distributed import process_status
-from course_utils.tooling import grade, gradebook, layout
+from course_utils.tooling import grade, gradebook, layout, sandbox
 from course_utils.tooling.build import BEGIN, END
 from course_utils.tooling.classroom import external_references
 from course_utils.tooling.layout import learner_path, source_for
@@ -111,7 +112,7 @@ def verdicts(rows, submission):
 
 def test_csv_has_the_issue_columns(graded):
     rows, *_ = graded
-    assert list(rows[0]) == ["submission", "lesson", "exercise", "status", "reason", "seconds"]
+    assert list(rows[0]) == ["submission", "lesson", "exercise", "status", "reason", "seconds", "review", "sandbox"]
     assert {r["status"] for r in rows} <= set(grade.STATUSES)
 
 
@@ -304,5 +305,105 @@ def test_grade_help():
     result = subprocess.run([sys.executable, "-m", "course_utils", "grade", "--help"], capture_output=True, text=True, timeout=60,
                             env={**os.environ, "COLUMNS": "200"})
     assert result.returncode == 0
-    for word in ("--out", "--html", "--jobs", "unprivileged"):
+    for word in ("--out", "--html", "--jobs", "--feedback", "--retry-errors", "--no-sandbox", "bubblewrap"):
         assert word in result.stdout
+
+
+# ---------------------------------------------------------------- the grader's own failures are `error`, never the student's
+
+def test_a_kernel_that_does_not_start_is_an_error_not_a_fail(tmp_path):
+    """The fake fail: a kernel that never answered made every check `failed, its check cell did not run`."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "ipykernel_launcher.py").write_text("import sys\nsys.exit('this kernel never starts')\n")
+    folder, out = tmp_path / "class", tmp_path / "out"
+    folder.mkdir()
+    nbformat.write(solved("00"), folder / "ada.ipynb")
+    run = subprocess.run(
+        [sys.executable, "-m", "course_utils", "grade", str(folder), "--out", str(out / "grades.csv"), "--no-sandbox"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(broken), str(layout.root())])},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "grading WITHOUT a sandbox" in run.stderr
+    with open(out / "grades.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["exercise"], r["status"]) for r in rows} == {("add_one", "error"), ("draw", "error")}
+    for r in rows:
+        assert r["reason"].startswith("the grader failed, not the submission: the notebook's kernel did not start (RuntimeError: ")
+        assert r["reason"].endswith("; grade this submission again") and r["sandbox"] == "none"
+
+
+def test_a_sandbox_that_does_not_start_is_retried_once_then_an_error(tmp_path, monkeypatch):
+    calls = []
+
+    def failing_bwrap(argv, **kwargs):
+        calls.append(argv)
+        return [sys.executable, "-c", "import sys; sys.exit('bwrap: Creating new namespace failed: Operation not permitted')"]
+
+    monkeypatch.setattr(sandbox, "command", failing_bwrap)
+    nbformat.write(solved("00"), tmp_path / "ada.ipynb")
+    rows = grade.Grader(grade.Settings()).grade(tmp_path / "ada.ipynb", "ada.ipynb")
+    assert len(calls) == 2
+    assert [(r["exercise"], r["status"]) for r in rows] == [("add_one", "error"), ("draw", "error")]
+    assert rows[0]["reason"] == ("the grader failed, not the submission: the sandbox did not start or crashed (exit 1): "
+                                 "bwrap: Creating new namespace failed: Operation not permitted; grade this submission again")
+
+
+def test_retry_errors_regrades_only_the_error_rows(tmp_path):
+    folder, out = tmp_path / "class", tmp_path / "out"
+    folder.mkdir()
+    out.mkdir()
+    nbformat.write(solved("00"), folder / "ada.ipynb")
+    nbformat.write(learner("00"), folder / "bob.ipynb")
+    earlier = pd.DataFrame([
+        grade._row("ada.ipynb", "00", "add_one", "error", "the grader failed, not the submission: x; grade this submission again", None),
+        grade._row("ada.ipynb", "00", "draw", "error", "the grader failed, not the submission: x; grade this submission again", None),
+        grade._row("bob.ipynb", "00", "add_one", "pass", "", 0.1),  # not true of bob.ipynb: it must stay as it was
+        grade._row("bob.ipynb", "00", "draw", "pass", "", 0.1),
+    ], columns=grade.COLUMNS)
+    earlier.to_csv(out / "grades.csv", index=False)
+    run = subprocess.run([sys.executable, "-m", "course_utils", "grade", str(folder), "--out", str(out / "grades.csv"), "--retry-errors"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    with open(out / "grades.csv", newline="") as f:
+        rows = [(r["submission"], r["exercise"], r["status"]) for r in csv.DictReader(f)]
+    assert rows == [("ada.ipynb", "add_one", "pass"), ("ada.ipynb", "draw", "pass"),
+                    ("bob.ipynb", "add_one", "pass"), ("bob.ipynb", "draw", "pass")]
+    assert "grading [########################] 1/1 submissions" in run.stderr
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--timeout", "0"], "--timeout must be a number of seconds above 0, not 0"),
+    (["--exercise-timeout", "-1"], "--exercise-timeout must be a number of seconds above 0, not -1"),
+    (["--cell-timeout", "0"], "--cell-timeout must be a number of seconds above 0, not 0"),
+    (["--jobs", "0"], "--jobs must be 1 or more, not 0"),
+    (["--memory-mb", "0"], "--memory-mb must be 1 or more, not 0"),
+    (["--out", "/proc/no/such/grades.csv"], "cannot write --out /proc/no/such/grades.csv: /proc is not a writable folder ("),
+    (["--html", "{tmp}"], "--html {tmp} is a folder: give a file name"),
+    (["--feedback", "{tmp}/file.txt"], "--feedback {tmp}/file.txt is a file: give a folder"),
+    (["--retry-errors"], "--retry-errors regrades the `error` rows of an earlier gradebook: give that CSV with --out"),
+])
+def test_bad_arguments_are_refused_before_any_grading(tmp_path, capsys, arguments, message):
+    from course_utils.tooling.cli import main
+
+    folder = tmp_path / "class"
+    folder.mkdir()
+    nbformat.write(solved("00"), folder / "ada.ipynb")
+    (tmp_path / "file.txt").write_text("")
+    arguments = [a.replace("{tmp}", str(tmp_path)) for a in arguments]
+    start = time.perf_counter()
+    assert main(["grade", str(folder), *arguments]) == 1
+    assert message.replace("{tmp}", str(tmp_path)) in capsys.readouterr().err
+    assert time.perf_counter() - start < 5  # refused at once: no kernel was started
+
+
+def test_without_bubblewrap_grading_refuses_in_one_line(tmp_path, capsys, monkeypatch):
+    from course_utils.tooling.cli import main
+
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: None)
+    nbformat.write(solved("00"), tmp_path / "ada.ipynb")
+    assert main(["grade", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "install it (Debian/Ubuntu: `sudo apt-get install bubblewrap`), or grade with --no-sandbox (unsafe)" in err

@@ -1,0 +1,247 @@
+"""Grading a hostile class: each submission attacks the grader, the course or a classmate; none of it may work.
+
+Every attack runs inside one lesson-00 notebook, graded together with honest classmates in the
+sandbox (course_utils.tooling.sandbox). For each the test asserts what the issue asks: the course's
+files are unchanged, every other submission's verdicts equal those from grading it alone, no
+process is left, nothing leaked into the gradebook, and no exercise passed that was not solved.
+"""
+
+import csv
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from course_utils.tooling import sandbox
+from course_utils.tooling.layout import root as course_root
+from test_grade import learner, solved
+
+pytestmark = pytest.mark.skipif(sandbox.bwrap_path() is None, reason="bubblewrap (bwrap) is not installed: .ci/run installs it")
+
+MARK = f"hostile-{os.getpid()}"  # in every attack's process names and files, so that leftovers can be found
+SECRET = f"instructor-token-{os.getpid()}"
+CLASSMATE_TEXT = f"classmate-answer-{os.getpid()}"
+
+
+def with_cell(nb, code: str):
+    """The notebook with a code cell of the student's own put before its first exercise."""
+    first = next(i for i, c in enumerate(nb.cells) if any(t.startswith("exercise:") for t in c.metadata.get("tags", [])))
+    nb.cells.insert(first, nbformat.v4.new_code_cell(code))
+    return nb
+
+
+def course_files() -> dict[str, str]:
+    """The hash of every file the checker reads from the course (its package, notebooks and data)."""
+    root = course_root()
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for folder in ("course_utils", "notebooks", "data") for p in sorted((root / folder).rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
+def processes_named(word: str) -> list[str]:
+    """Command lines of running processes that contain word (zombies have none)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if word in cmdline and str(os.getpid()) != entry.name:
+            found.append(cmdline)
+    return found
+
+
+def attacks(folder: Path, out: Path) -> dict[str, str]:
+    """File name -> the code of one attack, each aimed at this class's real paths."""
+    course_file = course_root() / "course_utils" / "lesson00.py"
+    return {
+        "rewrite.ipynb": f"""
+import pathlib
+target = pathlib.Path({str(course_file)!r})
+try:
+    target.write_text(target.read_text() + "\\ndef check_add_one(*args, **kwargs):\\n    pass\\n")
+except OSError as err:
+    print("could not rewrite the course:", type(err).__name__)
+""",
+        "forger.ipynb": """
+import os, pathlib, signal
+mine, pid = set(), os.getpid()
+while pid > 1:
+    mine.add(pid)
+    pid = int(pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+for entry in pathlib.Path("/proc").glob("[0-9]*"):
+    try:
+        argv = (entry / "cmdline").read_bytes().split(b"\\0")
+    except OSError:
+        continue
+    if b"--course-report" in argv and int(entry.name) not in mine:
+        report = argv[argv.index(b"--course-report") + 1].decode()
+        try:
+            pathlib.Path(report).write_text('{"x": {"lesson": "00", "exercises": {}, "stopped_at": "copied from another submission"}}')
+        except OSError:
+            pass
+        os.kill(int(entry.name), signal.SIGKILL)
+""",
+        "editor.ipynb": f"""
+import subprocess, sys
+code = '''
+import pathlib, time
+time.sleep(3)
+for path in [pathlib.Path({str(out / "grades.csv")!r}), *pathlib.Path("/tmp").rglob("*.csv")]:
+    try:
+        path.write_text("submission,status\\\\neditor.ipynb,pass\\\\n")
+    except OSError:
+        pass
+'''
+subprocess.Popen([sys.executable, "-c", code, "csv-editor-{MARK}"], start_new_session=True)
+""",
+        "reader.ipynb": f"""
+import os
+def add_one(x):
+    found = []
+    for path in ({str(folder / "ada.ipynb")!r}, {str(out)!r}):
+        try:
+            found.append(open(path).read() if os.path.isfile(path) else " ".join(os.listdir(path)))
+        except OSError as err:
+            found.append(type(err).__name__)
+    found.append(os.environ.get("GRADER_SECRET", "no secret"))
+    raise ValueError("LEAK " + " | ".join(found)[:3000])
+""",
+        "writer.ipynb": f"""
+import pathlib
+for target in ({f"/tmp/{MARK}-tmp.txt"!r}, {str(folder / f"{MARK}-dir.txt")!r}, {str(course_root() / f"{MARK}-course.txt")!r},
+               {str(out / f"{MARK}-out.txt")!r}):
+    try:
+        pathlib.Path(target).write_text("written by writer.ipynb")
+    except OSError as err:
+        print(target, type(err).__name__)
+""",
+        "hopper.ipynb": f"""
+import subprocess, sys
+hop = '''
+import os, time
+while True:
+    time.sleep(0.05)
+    if os.fork():
+        os._exit(0)
+'''
+subprocess.Popen([sys.executable, "-c", hop, "fork-hopper-{MARK}"], start_new_session=True)
+""",
+    }
+
+
+def grade(folder: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "course_utils", "grade", str(folder), "--out", str(out / "grades.csv"),
+         "--html", str(out / "grades.html"), "--jobs", "2", "--exercise-timeout", "5", *extra],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "GRADER_SECRET": SECRET},
+    )
+
+
+def read_rows(out: Path) -> dict[str, dict[str, tuple[str, str]]]:
+    with open(out / "grades.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    by_submission: dict[str, dict[str, tuple[str, str]]] = {}
+    for r in rows:
+        by_submission.setdefault(r["submission"], {})[r["exercise"]] = (r["status"], r["reason"])
+    return by_submission, rows
+
+
+def honest_classmates(folder: Path) -> None:
+    solved_00 = solved("00")
+    solved_00.cells.insert(0, nbformat.v4.new_markdown_cell(CLASSMATE_TEXT))
+    nbformat.write(solved_00, folder / "ada.ipynb")
+    wrong = learner("00")
+    cell = next(c for c in wrong.cells if "exercise:add_one" in c.metadata.get("tags", []))
+    cell.source = cell.source.replace("    # YOUR CODE HERE\n    raise NotImplementedError()", "    return x + 2")
+    nbformat.write(wrong, folder / "cy.ipynb")
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    """The honest pair graded alone, then with the hostile class; returns both gradebooks and what was seen after."""
+    alone, alone_out = tmp_path_factory.mktemp("alone"), tmp_path_factory.mktemp("alone-out")
+    honest_classmates(alone)
+    assert grade(alone, alone_out).returncode == 0
+    graded_alone, _ = read_rows(alone_out)
+
+    folder, out = tmp_path_factory.mktemp("class"), tmp_path_factory.mktemp("out")
+    honest_classmates(folder)
+    for name, code in attacks(folder, out).items():
+        nbformat.write(with_cell(learner("00"), code), folder / name)
+    tagged = learner("00")
+    for cell in tagged.cells:
+        if any(t.startswith("check:") for t in cell.metadata.get("tags", [])):
+            cell.metadata["tags"] = [*cell.metadata["tags"], "raises-exception"]
+    nbformat.write(tagged, folder / "tagger.ipynb")
+
+    lesson00 = course_root() / "course_utils" / "lesson00.py"
+    original = lesson00.read_bytes()
+    before = course_files()
+    try:
+        run = grade(folder, out)
+    finally:
+        changed = course_files() != before
+        lesson00.write_bytes(original)  # should the sandbox ever fail, the checkout is put right for the next tests
+    csv_right_after = (out / "grades.csv").read_bytes()
+    time.sleep(4)  # the editor's process would write 3 s after grading ended
+    assert run.returncode == 0, run.stdout + run.stderr
+    graded, rows = read_rows(out)
+    return {"alone": graded_alone, "graded": graded, "rows": rows, "run": run, "out": out, "folder": folder,
+            "course changed": changed, "csv right after": csv_right_after}
+
+
+def test_the_course_files_are_unchanged(hostile):
+    assert not hostile["course changed"]
+    assert "could not rewrite" not in hostile["run"].stdout  # a cell's print never reaches the grader's output
+
+
+def test_honest_classmates_are_graded_as_if_alone(hostile):
+    for name in ("ada.ipynb", "cy.ipynb"):
+        assert hostile["graded"][name] == hostile["alone"][name]
+    assert {s for s, _ in hostile["graded"]["ada.ipynb"].values()} == {"pass"}
+
+
+def test_no_fake_pass(hostile):
+    for name, verdicts in hostile["graded"].items():
+        if name not in ("ada.ipynb", "cy.ipynb"):
+            assert "pass" not in {status for status, _ in verdicts.values()}, (name, verdicts)
+
+
+def test_the_raises_exception_tag_changes_nothing(hostile):
+    assert {s for s, _ in hostile["graded"]["tagger.ipynb"].values()} == {"not attempted"}
+
+
+def test_nothing_leaked_into_the_gradebook(hostile):
+    run, out = hostile["run"], hostile["out"]
+    for text in (run.stdout, run.stderr, (out / "grades.csv").read_text(), (out / "grades.html").read_text()):
+        assert SECRET not in text and CLASSMATE_TEXT not in text
+    status, reason = hostile["graded"]["reader.ipynb"]["add_one"]
+    assert status == "failed" and "LEAK FileNotFoundError | FileNotFoundError | no secret" in reason
+
+
+def test_no_write_reached_outside_the_submission(hostile):
+    assert not Path(f"/tmp/{MARK}-tmp.txt").exists()
+    assert not (hostile["folder"] / f"{MARK}-dir.txt").exists()
+    assert not (course_root() / f"{MARK}-course.txt").exists()
+    assert not (hostile["out"] / f"{MARK}-out.txt").exists()
+
+
+def test_no_process_outlives_grading(hostile):
+    assert processes_named(MARK) == []
+
+
+def test_the_gradebook_is_not_edited_after_grading(hostile):
+    out = hostile["out"]
+    assert (out / "grades.csv").read_bytes() == hostile["csv right after"]
+    assert "editor.ipynb,pass" not in (out / "grades.csv").read_text()
+
+
+def test_every_row_says_it_was_sandboxed(hostile):
+    assert {r["sandbox"] for r in hostile["rows"]} == {"bwrap"}
+    assert {r["review"] for r in hostile["rows"] if r["submission"] in ("ada.ipynb", "cy.ipynb")} == {""}
