@@ -1,41 +1,247 @@
 """course_utils.tooling.gradebook: the gradebook's views, on small tables built by hand (no kernel)."""
 
+import math
+import re
+
 import pandas as pd
 import pytest
 
-from course_utils.tooling import grade, gradebook
+from course_utils.tooling import gradebook
 from course_utils.tooling.classroom import external_references
+
+FRAME = "frame inspection"
+ERROR_REASON = "the kernel did not start twice: grade this submission again"
+
+
+def _row(name, lesson, exercise, status, reason="", seconds=0.1, review="", sandbox="bwrap"):
+    return dict(zip(gradebook.COLUMNS, (name, lesson, exercise, status, reason, seconds, review, sandbox)))
+
+
+def _frame(rows):
+    return pd.DataFrame(rows, columns=gradebook.COLUMNS)
 
 
 def _table():
-    rows = [
-        grade._row("a", "00", "add_one", "pass", "", 0.1),
-        grade._row("a", "00", "mean_value", "failed", "returned a tensor", 0.1),
-        grade._row("b", "00", "add_one", "failed", "expected 2, got 3", 0.1),
-        grade._row("b", "00", "mean_value", "failed", "returned a tensor", 0.1),
-        grade._row("c", "00", "add_one", "not attempted", "not attempted yet", 0.1),
-        grade._row("c", "00", "mean_value", "missing", "check cell missing: put it back", 0.1),
-        grade._row("d", "", "", "unreadable", "the file is empty", 0.0),
-    ]
-    return pd.DataFrame(rows, columns=grade.COLUMNS)
+    """A flat class: every status once at least; c needs review; e hit a grader error."""
+    return _frame([
+        _row("a", "00", "add_one", "pass"),
+        _row("a", "00", "mean_value", "failed", "returned a tensor"),
+        _row("b", "00", "add_one", "failed", "expected 2, got 3"),
+        _row("b", "00", "mean_value", "failed", "returned a tensor"),
+        _row("c", "00", "add_one", "not attempted", "not attempted yet", review=FRAME),
+        _row("c", "00", "mean_value", "missing", "check cell missing: put it back", review=FRAME),
+        _row("d", "", "", "unreadable", "the file is empty", 0.0),
+        _row("e", "00", "add_one", "error", ERROR_REASON, None),
+        _row("e", "00", "mean_value", "error", ERROR_REASON, None),
+    ])
 
+
+def _class_by_student():
+    """A folder per student: alice did lessons 00 and 01 (01 flagged), bob did 00 and sent a broken 01, cy's 00 hit a grader error."""
+    return _frame([
+        _row("alice/00.ipynb", "00", "add_one", "pass"),
+        _row("alice/00.ipynb", "00", "mean_value", "pass"),
+        _row("alice/01_tensors.ipynb", "01", "linear", "pass", review=FRAME),
+        _row("alice/01_tensors.ipynb", "01", "norm", "failed", "expected 1.0, got 2.0", review=FRAME),
+        _row("bob/00.ipynb", "00", "add_one", "failed", "expected 2, got 3"),
+        _row("bob/00.ipynb", "00", "mean_value", "pass"),
+        _row("bob/01.ipynb", "", "", "unreadable", "the file is empty", 0.0),
+        _row("cy/00.ipynb", "00", "add_one", "error", ERROR_REASON, None),
+        _row("cy/00.ipynb", "00", "mean_value", "error", ERROR_REASON, None),
+    ])
+
+
+# ---------------------------------------------------------------- per submission
 
 def test_submission_summary():
     summary = gradebook.submission_summary(_table())
-    assert summary.loc["a", "score"] == "1/2" and summary.loc["b", "score"] == "0/2"
+    assert list(summary.columns) == ["lesson", "passed", "total", "errors", "score", "review", "note"]
+    assert summary.loc["a", "score"] == "1/2" and summary.loc["b", "score"] == "0/2" and summary.loc["c", "score"] == "0/2"
     assert summary.loc["d", "score"] == "unreadable" and summary.loc["d", "note"] == "the file is empty"
+    assert summary.loc["a", "note"] == "" and summary.loc["a", "errors"] == 0
 
+
+def test_submission_summary_grader_error_is_not_a_score():
+    summary = gradebook.submission_summary(_table())
+    assert summary.loc["e", "score"] == "error" and summary.loc["e", "errors"] == 2 and summary.loc["e", "passed"] == 0
+    assert summary.loc["e", "note"] == "grader error: grade again with --retry-errors"
+
+
+def test_submission_summary_review():
+    summary = gradebook.submission_summary(_table())
+    assert summary.loc["c", "review"] == FRAME
+    assert summary.loc[["a", "b", "d", "e"], "review"].tolist() == ["", "", "", ""]
+
+
+def test_a_table_without_the_new_columns_or_read_back_from_csv(tmp_path):
+    old = _table()[gradebook.COLUMNS[:6]]
+    assert gradebook.submission_summary(old).loc["c", "review"] == ""
+    _table().to_csv(tmp_path / "g.csv", index=False)
+    back = pd.read_csv(tmp_path / "g.csv", dtype={"lesson": str})  # empty cells come back as NaN
+    assert gradebook.submission_summary(back).loc["a", "review"] == "" and gradebook.class_counts(back)["review"] == 1
+
+
+# ---------------------------------------------------------------- per exercise
 
 def test_exercise_summary_pass_rate_and_most_common_failure():
     summary = gradebook.exercise_summary(_table()).set_index("exercise")
-    assert summary.loc["add_one", "pass rate"] == pytest.approx(33.3)
+    assert summary.loc["add_one", "pass rate"] == pytest.approx(33.3)  # 1 pass of 3 judged: e's error is not judged
     assert summary.loc["mean_value", "pass rate"] == 0
     assert summary.loc["mean_value", "most common failure"] == "returned a tensor (2x)"
     assert summary.loc["mean_value", "missing"] == 1
     assert summary.loc["add_one", "most common failure"] == "expected 2, got 3"
 
 
+def test_exercise_summary_counts_errors_apart():
+    summary = gradebook.exercise_summary(_table()).set_index("exercise")
+    assert summary.loc["add_one", "error"] == 1 and summary.loc["add_one", "failed"] == 1
+    assert summary.loc["add_one", "submissions"] == 4
+    assert ERROR_REASON not in summary["most common failure"].str.cat()
+
+
+def test_exercise_summary_errors_only():
+    table = _frame([_row("e", "00", "add_one", "error", ERROR_REASON), _row("f", "00", "add_one", "error", ERROR_REASON)])
+    (rate, common, failed), = gradebook.exercise_summary(table)[["pass rate", "most common failure", "failed"]].itertuples(index=False)
+    assert math.isnan(rate) and common == "" and failed == 0
+
+
+# ---------------------------------------------------------------- the class's counts and text
+
+def test_class_counts():
+    assert gradebook.class_counts(_table()) == {"submissions": 5, "review": 1, "errors": 1, "unsandboxed": 0}
+
+
+def test_format_summary_headline():
+    text = gradebook.format_summary(_table(), folder="class 2026")
+    lines = text.splitlines()
+    assert lines[0] == "5 submissions: 1 need review, 1 had a grader error"
+    assert lines[1] == "Grader errors are not the students' fault; grade those again: python -m course_utils grade 'class 2026' --retry-errors"
+    assert "WARNING" not in text
+    assert "Per submission:" in text and "Per exercise" in text and "grader error: grade again with --retry-errors" in text
+    assert "Per student" not in text  # a flat folder has no matrix
+
+
+def test_format_summary_without_errors_has_no_hint():
+    text = gradebook.format_summary(_table().iloc[:4])
+    assert text.splitlines()[0] == "2 submissions: 0 need review, 0 had a grader error"
+    assert "--retry-errors" not in text
+
+
+def test_format_summary_warns_without_the_sandbox():
+    table = _table()
+    table.loc[table["submission"].isin(["a", "b"]), "sandbox"] = "none"
+    first = gradebook.format_summary(table).splitlines()[0]
+    assert first.startswith("WARNING: 2 of 5 submissions were graded WITHOUT the sandbox (--no-sandbox)")
+
+
+# ---------------------------------------------------------------- students × lessons
+
+def test_student_matrix():
+    matrix = gradebook.student_matrix(_class_by_student())
+    assert list(matrix.index) == ["alice", "bob", "cy"]
+    assert list(matrix.columns) == ["00", "01", "?", "total"]
+    assert matrix.loc["alice"].tolist() == ["2/2", "1/2 ⚑", "", "3/4"]
+    assert matrix.loc["bob"].tolist() == ["1/2", "", "unreadable", "1/2"]
+    assert matrix.loc["cy"].tolist() == ["error", "", "", "error"]
+
+
+def test_student_matrix_two_submissions_of_one_lesson_share_a_cell():
+    table = pd.concat([_class_by_student(), _frame([_row("alice/00_again.ipynb", "00", "add_one", "failed", "x"),
+                                                    _row("alice/00_again.ipynb", "00", "mean_value", "pass")])])
+    matrix = gradebook.student_matrix(table)
+    assert matrix.loc["alice", "00"] == "2/2, 1/2" and matrix.loc["alice", "total"] == "4/6"
+
+
+def test_matrix_only_for_a_folder_per_student():
+    assert gradebook.by_student(_class_by_student())
+    assert not gradebook.by_student(_table())  # flat
+    one_lesson_each = _frame([_row("sub/gus.ipynb", "00", "add_one", "pass"), _row("ada.ipynb", "01", "linear", "pass")])
+    assert not gradebook.by_student(one_lesson_each)
+    late = _frame([_row("late/ann.ipynb", "00", "add_one", "pass"), _row("late/ben.ipynb", "00", "add_one", "pass"),
+                   _row("late/notes.txt", "", "", "unreadable", "the file is not a notebook (it is not JSON)")])
+    assert not gradebook.by_student(late)  # a folder of one lesson's submissions is not a student
+
+
+def test_format_summary_shows_the_matrix_for_a_folder_per_student():
+    text = gradebook.format_summary(_class_by_student())
+    assert "Per student and lesson (passed/total, ⚑: needs review):" in text
+    alice = next(line for line in text.splitlines() if line.startswith("alice "))
+    assert alice.split() == ["alice", "2/2", "1/2", "⚑", "3/4"]
+
+
+# ---------------------------------------------------------------- the class's page
+
+def _body_rows(page: str, heading: str) -> list[str]:
+    """The <tr> elements of the table after a heading."""
+    section = page.split(f"<h2>{heading}</h2>", 1)[1]
+    table = section.split("<tbody>", 1)[1].split("</tbody>", 1)[0]
+    return re.findall(r"<tr[^>]*>.*?</tr>", table)
+
+
 def test_html_report_without_a_kernel():
     page = gradebook.html_report(_table(), "Gradebook: <class>")
     assert "Gradebook: &lt;class&gt;" in page and "data:image/png;base64," in page
     assert not external_references(page)
+    assert "http://" not in page and "https://" not in page
+
+
+def test_html_report_headline_and_highlights():
+    page = gradebook.html_report(_table(), "Gradebook", folder="class")
+    assert '<b>5 submissions</b>: <span class="review">1 need review</span>, <span class="error">1 had a grader error</span>' in page
+    assert "<code>python -m course_utils grade class --retry-errors</code>" in page
+    rows = _body_rows(page, "Every exercise of every submission")
+    assert [r.split("</td>", 1)[0].rsplit(">", 1)[1] for r in rows if r.startswith('<tr class="review">')] == ["c", "c"]
+    assert [r.split("</td>", 1)[0].rsplit(">", 1)[1] for r in rows if r.startswith('<tr class="error">')] == ["e", "e"]
+    assert sum(r.startswith("<tr>") for r in rows) == 5
+    assert f"<td>{FRAME}</td>" in rows[4]  # the route is shown on the highlighted row
+    submissions = _body_rows(page, "Per submission")
+    assert submissions[2].startswith('<tr class="review"><td>c</td>') and submissions[4].startswith('<tr class="error"><td>e</td>')
+    assert 'class="banner"' not in page and "Per student and lesson" not in page
+
+
+def test_html_report_red_banner_without_the_sandbox():
+    table = _table()
+    table["sandbox"] = "none"
+    page = gradebook.html_report(table, "Gradebook")
+    assert '<div class="banner">WARNING: 5 of 5 submissions were graded WITHOUT the sandbox (--no-sandbox)' in page
+    assert ".banner { background: #cf222e;" in page
+    assert page.index('class="banner"') < page.index("<h2>")  # above everything else
+
+
+def test_html_report_matrix_for_a_folder_per_student():
+    page = gradebook.html_report(_class_by_student(), "Gradebook")
+    rows = _body_rows(page, "Per student and lesson")
+    assert rows[0] == '<tr><td>alice</td><td>2/2</td><td class="review">1/2 ⚑</td><td></td><td>3/4</td></tr>'
+    assert rows[2] == '<tr><td>cy</td><td class="error">error</td><td></td><td></td><td class="error">error</td></tr>'
+
+
+def test_html_report_errors_only_has_no_chart():
+    table = _frame([_row("e", "00", "add_one", "error", ERROR_REASON)])
+    page = gradebook.html_report(table, "Gradebook")
+    assert "data:image/png" not in page and "1 had a grader error" in page
+
+
+# ---------------------------------------------------------------- learner-provided text is escaped everywhere
+
+EVIL = "<script>alert(1)</script>"
+
+
+def _evil_class():
+    """Student folders and reasons holding markup, in a class laid out per student (so the matrix shows)."""
+    student = "<script>alert(1)<"  # a folder's name cannot hold '/': the rest becomes a sub-folder
+    return _frame([
+        _row(f"{student}/script>/00.ipynb", "00", "add_one", "failed", f"expected 1, got '{EVIL}'", review=f"imports {EVIL}"),
+        _row(f"{student}/01.ipynb", "01", "linear", "pass"),
+        _row(f"{EVIL}.ipynb", "00", "add_one", "not attempted", EVIL),
+        _row("bob/00.ipynb", "00", "add_one", "missing", EVIL),
+    ])
+
+
+def test_markup_is_escaped_in_the_class_page():
+    table = _evil_class()
+    assert gradebook.by_student(table)
+    page = gradebook.html_report(table, EVIL)
+    assert "<script" not in page.lower()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;.ipynb" in page  # a submission's name
+    assert "&lt;script&gt;alert(1)&lt;</td>" in page  # the matrix's student
+    assert "expected 1, got &#x27;&lt;script&gt;" in page  # a reason
