@@ -1,6 +1,7 @@
 """course_utils.tooling.gradebook: the gradebook's views, on small tables built by hand (no kernel)."""
 
 import math
+import os
 import re
 
 import pandas as pd
@@ -8,6 +9,7 @@ import pytest
 
 from course_utils.tooling import gradebook
 from course_utils.tooling.classroom import external_references
+from course_utils.tooling.verdicts import COLOURS
 
 FRAME = "frame inspection"
 ERROR_REASON = "the kernel did not start twice: grade this submission again"
@@ -37,7 +39,7 @@ def _table():
 
 
 def _class_by_student():
-    """A folder per student: alice did lessons 00 and 01 (01 flagged), bob did 00 and sent a broken 01, cy's 00 hit a grader error."""
+    """A folder per student: alice did lessons 00 and 01 (01 flagged), bob did 00 and sent a broken 01, cy's 00 hit a grader error and 01 was graded."""
     return _frame([
         _row("alice/00.ipynb", "00", "add_one", "pass"),
         _row("alice/00.ipynb", "00", "mean_value", "pass"),
@@ -48,6 +50,8 @@ def _class_by_student():
         _row("bob/01.ipynb", "", "", "unreadable", "the file is empty", 0.0),
         _row("cy/00.ipynb", "00", "add_one", "error", ERROR_REASON, None),
         _row("cy/00.ipynb", "00", "mean_value", "error", ERROR_REASON, None),
+        _row("cy/01.ipynb", "01", "linear", "pass"),
+        _row("cy/01.ipynb", "01", "norm", "not attempted", "not attempted yet"),
     ])
 
 
@@ -142,7 +146,7 @@ def test_student_matrix():
     assert list(matrix.columns) == ["00", "01", "?", "total"]
     assert matrix.loc["alice"].tolist() == ["2/2", "1/2 ⚑", "", "3/4"]
     assert matrix.loc["bob"].tolist() == ["1/2", "", "unreadable", "1/2"]
-    assert matrix.loc["cy"].tolist() == ["error", "", "", "error"]
+    assert matrix.loc["cy"].tolist() == ["error", "1/2", "", "1/2 + error"]  # 00 is out of the total until graded again
 
 
 def test_student_matrix_two_submissions_of_one_lesson_share_a_cell():
@@ -212,7 +216,7 @@ def test_html_report_matrix_for_a_folder_per_student():
     page = gradebook.html_report(_class_by_student(), "Gradebook")
     rows = _body_rows(page, "Per student and lesson")
     assert rows[0] == '<tr><td>alice</td><td>2/2</td><td class="review">1/2 ⚑</td><td></td><td>3/4</td></tr>'
-    assert rows[2] == '<tr><td>cy</td><td class="error">error</td><td></td><td></td><td class="error">error</td></tr>'
+    assert rows[2] == '<tr><td>cy</td><td class="error">error</td><td>1/2</td><td></td><td class="error">1/2 + error</td></tr>'
 
 
 def test_html_report_errors_only_has_no_chart():
@@ -245,3 +249,116 @@ def test_markup_is_escaped_in_the_class_page():
     assert "&lt;script&gt;alert(1)&lt;/script&gt;.ipynb" in page  # a submission's name
     assert "&lt;script&gt;alert(1)&lt;</td>" in page  # the matrix's student
     assert "expected 1, got &#x27;&lt;script&gt;" in page  # a reason
+
+
+def test_markup_is_escaped_in_the_feedback_pages(tmp_path):
+    pages = gradebook.write_feedback(_evil_class(), tmp_path)
+    assert len(pages) == 4
+    for path in pages:
+        assert "<script" not in path.read_text(encoding="utf-8").lower()
+    assert "<title>Feedback: &lt;script&gt;alert(1)&lt;/script&gt;.ipynb</title>" in pages[2].read_text(encoding="utf-8")
+
+
+def test_a_name_that_is_not_utf8_is_shown_not_a_crash(tmp_path):
+    names = [os.fsdecode(b"caf\xe9.ipynb"), os.fsdecode(b"caf\xe8.ipynb")]  # Latin-1 file names, as Linux hands them to Python
+    table = _frame([_row(names[0], "00", "add_one", "pass"), _row(names[1], "00", "add_one", "failed", "x")])
+    assert "<td>caf\\xe9.ipynb</td>" in gradebook.html_report(table, "Gradebook").encode("utf-8").decode("utf-8")
+    assert "caf\\xe8.ipynb" in gradebook.format_summary(table).encode("utf-8").decode("utf-8")
+    first, second = gradebook.write_feedback(table, tmp_path)  # still two submissions, two pages
+    assert "<h1>Feedback: caf\\xe9.ipynb</h1>" in first.read_text(encoding="utf-8")
+    assert ">FAIL</span>" in second.read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------- feedback pages
+
+def test_feedback_page_scoreboard():
+    table = _table()
+    page = gradebook.feedback_page(table, "a")
+    assert "<h1>Feedback: a</h1>" in page and "<p>Lesson 00: 1 of 2 exercises passed.</p>" in page
+    assert f'<span style="background: {COLOURS["passed"]}; color: white; padding: 0 6px; border-radius: 3px;">PASS</span> <b>add_one</b>: all checks passed' in page
+    assert f'<span style="background: {COLOURS["failed"]}; color: white; padding: 0 6px; border-radius: 3px;">FAIL</span> <b>mean_value</b>: returned a tensor' in page
+    c = gradebook.feedback_page(table, "c")
+    assert f'background: {COLOURS["not attempted"]}; color: white; padding: 0 6px; border-radius: 3px;">TODO</span> <b>add_one</b>: not attempted yet' in c
+    assert ">FAIL</span> <b>mean_value</b>: check cell missing: put it back" in c
+    assert not external_references(page) and "http" not in page
+
+
+def test_feedback_page_hides_the_instructors_columns():
+    table = _table()
+    table["sandbox"] = "none"
+    page = gradebook.feedback_page(table, "c")
+    assert FRAME not in page and "review" not in page.lower() and "sandbox" not in page.lower() and "bwrap" not in page
+
+
+def test_feedback_page_for_unreadable_and_grader_error():
+    table = _table()
+    assert "<p>Your file could not be graded: the file is empty.</p>" in gradebook.feedback_page(table, "d")
+    e = gradebook.feedback_page(table, "e")
+    assert "<p>Lesson 00: not graded yet: the grader failed on our side, not because of your code; it will be graded again.</p>" in e
+    assert ">----</span> <b>add_one</b>: not graded yet: the grader failed on our side, not because of your code" in e
+    assert "kernel did not start" not in e  # the grader's own trouble is the instructor's to read
+    partly = _frame([_row("f", "00", "add_one", "pass"), _row("f", "00", "mean_value", "error", ERROR_REASON)])
+    assert ("<p>Lesson 00: 1 of 2 exercises passed. 1 of them could not be graded yet, because of a problem on our side; "
+            "they will be graded again.</p>") in gradebook.feedback_page(partly, "f")
+
+
+def test_feedback_names_are_safe_and_distinct():
+    names = ["alice/00.ipynb", "alice__00.ipynb", "..", "../..", ".hidden", "my work.ipynb", "my_work.ipynb",
+             "zoë.ipynb", "zoe.ipynb", "Zoe.ipynb", "日本.ipynb", "a" * 300, ""]
+    files = [gradebook.feedback_name(n) for n in names]
+    assert len({f.casefold() for f in files}) == len(names)  # distinct, even on a disk that ignores case
+    for f in files:
+        assert re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*-[0-9a-f]{16}\.html", f) and len(f) < 100
+    assert files[0].startswith("alice__00.ipynb-") and files[7].startswith("zoe.ipynb-") and files[2].startswith("submission-")
+    assert gradebook.feedback_name("alice/00.ipynb") == files[0]  # the same name, the same file, run after run
+
+
+def test_write_feedback_one_page_per_submission(tmp_path):
+    out = tmp_path / "feedback"
+    table = _class_by_student()
+    pages = gradebook.write_feedback(table, out)
+    assert [p.parent for p in pages] == [out] * 6
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in pages)  # no temporary file left
+    assert pages[0].name.startswith("alice__00.ipynb-") and "<h1>Feedback: alice/00.ipynb</h1>" in pages[0].read_text(encoding="utf-8")
+    pages[0].write_text("stale")
+    assert gradebook.write_feedback(table, out) == pages and pages[0].read_text(encoding="utf-8") != "stale"
+
+
+def test_write_feedback_refuses_two_submissions_on_one_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(gradebook, "feedback_name", lambda name: "same.html")
+    with pytest.raises(RuntimeError, match="would share the file same.html"):
+        gradebook.write_feedback(_table(), tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- writing atomically
+
+def test_write_atomic_replaces_a_file_whole(tmp_path):
+    path = tmp_path / "grades.csv"
+    path.write_text("a much longer old content\n" * 100)
+    gradebook.write_atomic(path, "new\n")
+    assert path.read_text() == "new\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["grades.csv"]
+
+
+def test_write_atomic_failure_while_writing_keeps_the_old_file(tmp_path):
+    path = tmp_path / "grades.html"
+    path.write_text("old page")
+    with pytest.raises(UnicodeEncodeError):
+        gradebook.write_atomic(path, "half a page, then " + "\ud800")  # a lone surrogate cannot be written as UTF-8
+    assert path.read_text() == "old page"
+    assert [p.name for p in tmp_path.iterdir()] == ["grades.html"]  # no temporary file left behind
+
+
+def test_write_atomic_failure_at_the_rename_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "grades.html"
+    path.write_text("old page")
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        gradebook.write_atomic(path, "new page")
+    assert path.read_text() == "old page"
+    assert [p.name for p in tmp_path.iterdir()] == ["grades.html"]

@@ -1,4 +1,4 @@
-"""The gradebook's schema and its views: summary tables, the class's HTML page.
+"""The gradebook's schema and its views: summary tables, the class's HTML page, a feedback page per submission.
 
 `course_utils.tooling.grade` runs the submissions and builds the table (one row per submission
 per exercise); everything here only reads that table.
@@ -14,12 +14,18 @@ the student's: every view counts it apart, never as a failure, and says to grade
 """
 
 import base64
+import hashlib
 import html
 import io
+import re
 import shlex
 import time
+import unicodedata
 from collections import Counter
+from pathlib import Path
 
+from course_utils.tooling.layout import write_atomic  # noqa: F401 (the CSV and the page are written with it)
+from course_utils.tooling.verdicts import Verdict, verdict_html
 
 COLUMNS = ["submission", "lesson", "exercise", "status", "reason", "seconds", "review", "sandbox"]
 STATUSES = ["pass", "not attempted", "failed", "missing", "unreadable", "error"]
@@ -280,7 +286,7 @@ def _matrix_class(cell: str) -> str:
     """The CSS class of a matrix cell (the student column never matches: it holds no score)."""
     if REVIEW_MARK in cell:
         return "review"
-    return "error" if ERROR in cell.split(", ") else ""
+    return "error" if cell.endswith(ERROR) else ""  # 'error', or a total '3/4 + error'; a score never ends so
 
 
 def _matrix_html(table) -> str:
@@ -351,5 +357,83 @@ column names why); rows in pink were not judged because the grader itself failed
 {per_submission}
 <h2>Every exercise of every submission</h2>
 {rows}
+</body></html>
+"""
+
+
+# ---------------------------------------------------------------- a feedback page per submission
+
+NOT_GRADED = "not graded yet: the grader failed on our side, not because of your code; it will be graded again"
+_VERDICT = {"pass": "passed", "not attempted": "not attempted", "failed": "failed", "missing": "failed", ERROR: "not run"}
+
+
+def feedback_name(submission: str) -> str:
+    """A file name for a submission's feedback page: a readable ASCII part, then a hash of the exact name, so two names never share a file."""
+    ascii_name = unicodedata.normalize("NFKD", submission).encode("ascii", "ignore").decode("ascii")
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", ascii_name.replace("/", "__")).lstrip(".")[:60] or "submission"
+    digest = hashlib.sha256(submission.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{readable}-{digest}.html"
+
+
+def _verdict(row) -> Verdict:
+    """A row as the verdict the student saw in the notebook; the grader's own error is said as ours, with none of its details."""
+    status = row["status"]
+    reason = NOT_GRADED if status == ERROR else ("" if status == "pass" else row["reason"])
+    return Verdict(row["exercise"], _VERDICT[status], reason)
+
+
+def _feedback_score(rows) -> str:
+    """One sentence: how many exercises passed, or why the file was not graded (never the grader's own details)."""
+    graded = rows[rows["exercise"] != ""]
+    errors = int((rows["status"] == ERROR).sum())
+    if errors and errors >= len(graded):
+        return NOT_GRADED + "."
+    if not len(graded):
+        return "your file could not be graded: " + _first(rows["reason"]) + "."
+    passed = int((graded["status"] == "pass").sum())
+    text = f"{passed} of {len(graded)} exercises passed."
+    return text + (f" {errors} of them could not be graded yet, because of a problem on our side; they will be graded again." if errors else "")
+
+
+def feedback_page(table, submission: str) -> str:
+    """A small self-contained page for one submission's student: lesson, score and the scoreboard, without the instructor's review or sandbox columns."""
+    table = _prepared(table)
+    rows = table[table["submission"] == submission]
+    lesson = rows["lesson"].iloc[0]
+    verdicts = "".join(verdict_html(_verdict(row)) for _, row in rows[rows["exercise"] != ""].iterrows())
+    summary = (f"Lesson {lesson}: " if lesson else "") + _feedback_score(rows)
+    return _FEEDBACK.format(
+        name=html.escape(submission),
+        summary=html.escape(summary[0].upper() + summary[1:]),
+        verdicts=f'<div class="course-scoreboard">{verdicts}</div>' if verdicts else "",
+    )
+
+
+def write_feedback(table, folder: Path) -> list[Path]:
+    """Write one feedback page per submission into folder (each atomically); return their paths in the table's order."""
+    names = list(_prepared(table)["submission"].drop_duplicates())
+    files = {name: feedback_name(name) for name in names}
+    taken = Counter(f.casefold() for f in files.values())  # casefold: one file on a case-insensitive disk
+    clash = [name for name, f in files.items() if taken[f.casefold()] > 1]
+    if clash:  # never write one student's page over another's
+        raise RuntimeError(f"feedback pages of {clash[0]!r} and {clash[1]!r} would share the file {files[clash[0]]}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        write_atomic(folder / files[name], feedback_page(table, name))
+    return [folder / files[name] for name in names]
+
+
+_FEEDBACK = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>Feedback: {name}</title>
+<style>
+body {{ font: 15px system-ui, sans-serif; max-width: 48em; margin: 2em auto; padding: 0 1em; }}
+.course-verdict {{ margin: 0.3em 0; }}
+</style></head>
+<body>
+<h1>Feedback: {name}</h1>
+<p>{summary}</p>
+{verdicts}
+<p>Each line is what the course's check said about your exercise, as its check cell shows it in your notebook.</p>
 </body></html>
 """
