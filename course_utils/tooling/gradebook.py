@@ -283,7 +283,7 @@ def _row_class(review: str, error: bool) -> str:
 
 
 def _matrix_class(cell: str) -> str:
-    """The CSS class of a matrix cell (the student column never matches: it holds no score)."""
+    """The CSS class of a matrix cell holding a score or a total (not a student's name, which could end in 'error')."""
     if REVIEW_MARK in cell:
         return "review"
     return "error" if cell.endswith(ERROR) else ""  # 'error', or a total '3/4 + error'; a score never ends so
@@ -295,7 +295,7 @@ def _matrix_html(table) -> str:
         return ""
     matrix = student_matrix(table).reset_index()
     classes = matrix.map(_matrix_class)
-    classes["student"] = ""
+    classes["student"] = ""  # a folder named 'terror' is no grader error
     return (f"<h2>Per student and lesson</h2>\n<p>passed/total; {REVIEW_MARK}: needs review.</p>\n"
             + html_table(matrix, cell_classes=classes))
 
