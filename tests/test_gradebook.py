@@ -219,6 +219,12 @@ def test_html_report_matrix_for_a_folder_per_student():
     assert rows[2] == '<tr><td>cy</td><td class="error">error</td><td>1/2</td><td></td><td class="error">1/2 + error</td></tr>'
 
 
+def test_html_report_matrix_highlights_scores_not_names():
+    table = _frame([_row("terror/00.ipynb", "00", "add_one", "pass"), _row("terror/01.ipynb", "01", "linear", "pass")])
+    assert _body_rows(gradebook.html_report(table, "Gradebook"), "Per student and lesson") == [
+        "<tr><td>terror</td><td>1/1</td><td>1/1</td><td>2/2</td></tr>"]
+
+
 def test_html_report_errors_only_has_no_chart():
     table = _frame([_row("e", "00", "add_one", "error", ERROR_REASON)])
     page = gradebook.html_report(table, "Gradebook")
