@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from course_utils.distributed import process_status
-from course_utils.tooling import grade, gradebook, layout, sandbox
+from course_utils.tooling import grade, layout, sandbox
 from course_utils.tooling.build import BEGIN, END
 from course_utils.tooling.classroom import external_references
 from course_utils.tooling.layout import learner_path, source_for

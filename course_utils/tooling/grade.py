@@ -497,12 +497,12 @@ def main(folder: str, out: str | None = None, html_out: str | None = None, jobs:
         if previous is not None:
             table = _merge_retried(previous, table)
     # Every sandbox has ended: only now is anything written, and each file appears whole or not at all.
-    print(format_summary(table))
+    print(format_summary(table, folder=str(folder)))
     if out:
         write_atomic(Path(out), table.to_csv(index=False))
         print(f"\nwrote {out} ({len(table)} rows)")
     if html_out:
-        write_atomic(Path(html_out), html_report(table, f"Gradebook: {folder_path.resolve().name}"))
+        write_atomic(Path(html_out), html_report(table, f"Gradebook: {folder_path.resolve().name}", folder=str(folder)))
         print(f"wrote {html_out}")
     if feedback:
         pages = write_feedback(table, Path(feedback))
