@@ -118,3 +118,53 @@ def test_ctrl_c_stops_the_checker_and_everything_below_it(tmp_path):
     assert checker.returncode == 130, (out, err)
     assert err.strip().startswith("interrupted: ") and "Traceback" not in err
     assert wait_gone([*below, pids["orphan"]]) == []
+
+
+# ---------------------------------------------------------------- the fake fail of a class graded with --jobs 2
+
+# Loaded into the checker through PYTEST_PLUGINS: the moment jupyter_client picks the kernel's IOPub port
+# (its second pick: shell, iopub, stdin, hb, control), another process takes it, as a checker starting at
+# the same moment could (jupyter_client issue #487). Over TCP the kernel then hangs, alive but silent,
+# until nbval's start limit, and every check "did not run": a correct submission graded 0.
+TAKE_IOPUB_PORT = '''
+import os, socket
+from jupyter_client import connect
+
+_original, _picked, _held = connect.LocalPortCache.find_available_port, [], []
+
+def _find_available_port(self, ip):
+    port = _original(self, ip)
+    _picked.append(port)
+    if len(_picked) == 2:
+        taker = socket.socket()
+        taker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taker.bind((ip, port))
+        taker.listen()
+        _held.append(taker)
+        with open(os.environ["PORT_TAKEN_LOG"], "a") as log:
+            log.write(f"port {port} taken\\n")
+    return port
+
+def pytest_configure(config):
+    connect.LocalPortCache.find_available_port = _find_available_port
+'''
+
+
+def test_a_kernel_port_taken_by_a_neighbour_cannot_stall_the_checker(tmp_path, monkeypatch):
+    from course_utils.tooling.runner import run_checker
+    from test_grade import solved
+
+    (tmp_path / "plugin").mkdir()
+    (tmp_path / "plugin" / "take_iopub_port.py").write_text(TAKE_IOPUB_PORT)
+    log = tmp_path / "taken.log"
+    monkeypatch.setenv("PYTEST_PLUGINS", "take_iopub_port")
+    monkeypatch.setenv("PORT_TAKEN_LOG", str(log))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "plugin"), os.environ.get("PYTHONPATH", "")]))
+    notebook = tmp_path / "05_training.ipynb"
+    nbformat.write(solved("00"), notebook)
+    start = time.monotonic()
+    result = run_checker([notebook], kernel_start_timeout=10)[str(notebook)]
+    assert {name: v["status"] for name, v in result["exercises"].items()} == {"add_one": "passed", "draw": "passed"}
+    assert "error" not in result
+    assert not log.exists()  # the kernel's sockets are Unix sockets: no TCP port was picked, so none could be taken
+    assert time.monotonic() - start < 30

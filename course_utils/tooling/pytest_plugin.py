@@ -22,6 +22,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 from queue import Empty
@@ -70,6 +71,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("course_report", None):
         _not_dumpable()
     _watch_kernels_die()
+    _kernels_over_ipc()
 
 
 def _not_dumpable() -> None:
@@ -108,6 +110,54 @@ def _watch_kernels_die() -> None:
 
     get_message.course_patched = True
     RunningKernel.get_message = get_message
+
+
+def _kernels_over_ipc() -> None:
+    """Start nbval's kernels on Unix sockets in a private folder instead of TCP ports on 127.0.0.1.
+
+    jupyter_client picks a kernel's five TCP ports by binding port 0 and closing the socket; the
+    kernel binds them half a second later. A checker started at the same moment (`grade --jobs 2`)
+    can take one in between (jupyter_client issue #487). When it is the IOPub port, the kernel does
+    not exit but hangs, and nbval waits out its 60 s start limit: every check then "did not run".
+    Unix sockets in a folder of this process's own have no port to race for.
+    """
+    if os.name != "posix":
+        return
+    try:
+        import nbval.kernel
+        from jupyter_client.manager import KernelManager
+    except ImportError:
+        return
+    if getattr(nbval.kernel.KernelManager, "course_ipc", False):
+        return
+
+    class IpcKernelManager(KernelManager):
+        course_ipc = True
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.transport = "ipc"
+            # Short: a Unix socket's path has a limit of about 100 bytes.
+            self.ip = os.path.join(tempfile.mkdtemp(prefix="k", dir=_socket_dir()), "k")
+
+    nbval.kernel.KernelManager = IpcKernelManager
+
+
+_sockets: list[str] = []
+
+
+def _socket_dir() -> str:
+    """This pytest's folder for its kernels' sockets, removed when it ends."""
+    if not _sockets:
+        _sockets.append(tempfile.mkdtemp(prefix="course-kernels-"))
+    return _sockets[0]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+
+    while _sockets:
+        shutil.rmtree(_sockets.pop(), ignore_errors=True)
 
 
 def _exit_status(kernel) -> str:
