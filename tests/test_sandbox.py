@@ -140,10 +140,13 @@ def test_environment_and_identity(monkeypatch, workdir):
     code = """
         import json, os, pathlib
         status = dict(line.split(":\\t", 1) for line in pathlib.Path("/proc/self/status").read_text().splitlines())
-        print(json.dumps({"env": dict(os.environ), "uid": os.getuid(), "cwd": os.getcwd(),
+        namespaces = {n: os.readlink(f"/proc/self/ns/{n}") for n in ("pid", "net", "ipc", "uts", "mnt")}
+        print(json.dumps({"env": dict(os.environ), "uid": os.getuid(), "cwd": os.getcwd(), "ns": namespaces,
                           "caps": [status[k].strip() for k in ("CapEff", "CapBnd")], "nnp": status["NoNewPrivs"].strip()}))
     """
-    seen = json.loads(python(code, workdir, env={"COURSE_CHECK_MODE": "1"}).stdout)
+    seen = json.loads(python(code, workdir, env={"COURSE_CHECK_MODE": "1", "HOME": "/root", "USER": "root"}).stdout)
+    shared = [n for n, link in seen["ns"].items() if os.readlink(f"/proc/self/ns/{n}") == link]
+    assert not shared, f"namespaces shared with the grader: {shared}"
     env = seen["env"]
     assert "COURSE_GRADER_SECRET" not in env and "s3cret" not in json.dumps(env)
     assert env["COURSE_CHECK_MODE"] == "1"
@@ -168,6 +171,24 @@ WRITE_ALL = """
             result[path] = type(err).__name__
     print(json.dumps(result))
 """
+
+
+MOUNTS = """
+    import json
+    # /proc/self/mountinfo: field 5 is the mount point, field 6 its options (ro or rw first).
+    print(json.dumps({f[4]: f[5].split(",")[0] for f in map(str.split, open("/proc/self/mountinfo"))}))
+"""
+
+
+def test_everything_bound_is_read_only_but_workdir_and_tmp(workdir):
+    mounts = json.loads(python(MOUNTS, workdir).stdout)
+    read_only = [root() / "course_utils", root() / "notebooks", root() / "data", Path(sys.prefix).resolve(),
+                 Path(sys.base_prefix).resolve(), Path("/usr"), Path("/etc/passwd")]
+    assert {str(p): mounts.get(str(p)) for p in read_only} == {str(p): "ro" for p in read_only}
+    assert [mounts[p] for p in (str(workdir.resolve()), "/tmp", "/dev/shm")] == ["rw"] * 3
+    writable = {point for point, mode in mounts.items() if mode == "rw" and point.split("/")[1] not in ("dev", "proc")}
+    assert writable == {str(workdir.resolve()), "/tmp"}
+    assert mounts["/"] == "ro"
 
 
 def test_only_workdir_and_tmp_are_writable(tmp_path, workdir):

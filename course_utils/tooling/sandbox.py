@@ -90,8 +90,10 @@ def _drop_privileges() -> list[str]:
 
 
 def _namespaces() -> list[str]:
-    # bwrap runs as pid 1 of the new PID namespace and exits when argv's process does; the kernel
-    # then kills every process left in the namespace, even one in a session of its own.
+    # bwrap's pid 1 in the new PID namespace reaps until every process in it has exited, while the
+    # outer bwrap returns as soon as argv's process exits. --die-with-parent kills pid 1 when the
+    # outer bwrap ends (returns or is killed), and the kernel then kills every process left in the
+    # namespace, even one in a session of its own. Without it a fork-hopper outlives bwrap (tested).
     return ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--die-with-parent",
             "--new-session", "--cap-drop", "ALL",
             # Only for setpriv to switch to nobody (and empty the bounding set); nobody keeps none.
@@ -199,6 +201,7 @@ def command(argv: list[str], *, workdir: Path, env: Mapping[str, str], hide: Seq
         *_devices(),
         "--bind", str(workdir), str(workdir),
         *_hidden(hide, [*bound, workdir]),
+        "--remount-ro", "/",  # the folders made above: nobody could not write them anyway, now no one can
         "--chdir", str(workdir),
         "--", *_drop_privileges(), *argv,
     ]
