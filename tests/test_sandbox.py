@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -29,10 +30,10 @@ COURSE_ENV = {"PYTHONPATH": str(root())}
 
 
 @pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    folder = tmp_path / "work"
-    folder.mkdir()
-    return folder
+def workdir():
+    """A submission's folder as the grader makes it: mkdtemp (mode 0700) in /tmp."""
+    with tempfile.TemporaryDirectory(prefix="course-grade-") as folder:
+        yield Path(folder)
 
 
 def run(argv: list[str], workdir: Path, *, env: dict | None = None, limits: Limits = Limits(), timeout: float = 120,

@@ -163,9 +163,12 @@ def _workdir(workdir: Path) -> Path:
     """workdir and workdir/home, owned by the sandbox's user so that it can write there; returns home."""
     uid, gid = _sandbox_ids()
     home = workdir / "home"
-    home.mkdir(exist_ok=True)
-    for folder in (workdir, home):
-        os.chown(folder, uid, gid)
+    home.mkdir(mode=0o700, exist_ok=True)
+    os.chown(home, uid, gid)
+    # bwrap enters workdir (--chdir) as root without capabilities, so root's group keeps access:
+    # a mkdtemp folder (0700) given to nobody alone would stop it with "Permission denied".
+    os.chown(workdir, uid, 0)
+    os.chmod(workdir, 0o770)
     return home
 
 
