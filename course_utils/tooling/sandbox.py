@@ -24,8 +24,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from course_utils.tooling.layout import root
-
 SANDBOX_USER = "nobody"
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # What a Python, torch or Jupyter process reads in /etc: users (getpass, ~), name lookup of
@@ -54,13 +52,16 @@ def bwrap_path() -> str | None:
 class Limits:
     """Per-process resource limits inside the sandbox (setrlimit); an instructor can change each."""
 
-    # RLIMIT_DATA, not RLIMIT_AS: measured on lesson 07 (torch + torch.compile), a kernel's
-    # address space peaks at VmPeak ~ 2.3 GB while its private writable memory (VmData, what
-    # RLIMIT_DATA counts) peaks at ~ 1.1 GB; and CUDA reserves tens of GB of address space
-    # (PROT_NONE, not counted in VmData), so with RLIMIT_AS a GPU cell could not even start.
+    # RLIMIT_DATA (private writable memory, VmData), not RLIMIT_AS (address space, VmPeak). Measured
+    # on lesson 07's solution copy (torch + torch.compile), sampled every 0.2 s: the kernel peaked at
+    # VmPeak 4867 MB but VmData 1275 MB (RSS 1213 MB), a C++ compiler it ran at VmData 527 MB. Under
+    # RLIMIT_AS = 4096 MB that lesson fails at its 4th cell (torch cannot allocate 4 MB). CUDA is
+    # known to reserve tens of GB of address space (PROT_NONE, which VmData does not count; not
+    # measured here, this machine has no GPU).
+    # 4096 MB of data is three times the peak measured: every lesson's checks pass under it.
     memory_mb: int = 4096
-    # Counts threads, not only processes, of the sandbox's user (nobody) on the whole machine:
-    # a lesson 07 checker run peaked at ~ 40 threads in all.
+    # RLIMIT_NPROC counts threads too, of every process of the sandbox's user (nobody) on the
+    # machine, so sandboxes graded side by side share it: lesson 07 peaked at 33 threads in all.
     processes: int = 512
     open_files: int = 1024
     file_size_mb: int = 256
@@ -118,12 +119,24 @@ def _read_only(path: Path) -> list[str]:
     return ["--ro-bind", str(path), str(path)]
 
 
+def _aliases(path: Path) -> list[Path]:
+    """A folder as Python names it (sys.path, sys.prefix) and as it really is, if a symlink lies between."""
+    return [Path(os.path.abspath(path)), Path(path).resolve()]
+
+
+def _course_root() -> Path:
+    """The folder holding course_utils/, as the import system found it (the editable install's path)."""
+    import course_utils
+
+    return Path(course_utils.__file__).parent.parent
+
+
 def _read_only_paths() -> list[Path]:
     """Everything shown read-only: the system, the needed /etc files, the Python install, the venv, the course's parts."""
     paths = [Path(p) for p in SYSTEM_PATHS]
     paths += [Path("/etc", p) for p in ETC_PATHS]
-    paths += [Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve()]
-    paths += [root() / p for p in COURSE_PATHS]
+    paths += [*_aliases(Path(sys.base_prefix)), *_aliases(Path(sys.prefix))]
+    paths += [folder / p for folder in _aliases(_course_root()) for p in COURSE_PATHS]
     return [p for p in dict.fromkeys(paths) if p.is_symlink() or p.exists()]
 
 
