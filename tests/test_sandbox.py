@@ -36,13 +36,12 @@ def workdir():
         yield Path(folder)
 
 
-def run(argv: list[str], workdir: Path, *, env: dict | None = None, limits: Limits = Limits(), timeout: float = 120,
-        **options) -> subprocess.CompletedProcess:
+def run(argv: list[str], workdir: Path, *, env: dict | None = None, hide=(), keep_fds=(), limits: Limits = Limits(),
+        timeout: float = 120) -> subprocess.CompletedProcess:
     """argv in the sandbox, as the grader runs it; stdout and stderr as text."""
-    hide, keep_fds = options.pop("hide", ()), options.pop("keep_fds", ())
     line = command(argv, workdir=workdir, env={**COURSE_ENV, **(env or {})}, hide=hide, keep_fds=keep_fds)
     return subprocess.run(line, preexec_fn=lambda: apply_limits(limits), pass_fds=keep_fds, capture_output=True,
-                          text=True, timeout=timeout, **options)
+                          text=True, timeout=timeout)
 
 
 def python(code: str, workdir: Path, *args: str, **options) -> subprocess.CompletedProcess:

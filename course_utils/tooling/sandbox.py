@@ -96,13 +96,14 @@ def _namespaces() -> list[str]:
     # outer bwrap ends (returns or is killed), and the kernel then kills every process left in the
     # namespace, even one in a session of its own. Without it a fork-hopper outlives bwrap (tested).
     return ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--die-with-parent",
-            "--new-session", "--cap-drop", "ALL",
+            "--new-session",  # no terminal of the grader's to push keystrokes into (TIOCSTI)
+            "--cap-drop", "ALL",
             # Only for setpriv to switch to nobody (and empty the bounding set); nobody keeps none.
             "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
 
 
 def _environment(env: Mapping[str, str], home: Path) -> list[str]:
-    """--clearenv, then env, then what every process expects; HOME, TMPDIR and the user are the sandbox's."""
+    """--clearenv, then PATH and the locale (env may replace them), env, and HOME, TMPDIR and the user, which are the sandbox's."""
     user = SANDBOX_USER
     values = {"PATH": f"{sys.prefix}/bin:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
               **env, "HOME": str(home), "TMPDIR": "/tmp", "USER": user, "LOGNAME": user}
@@ -207,12 +208,12 @@ def command(argv: list[str], *, workdir: Path, env: Mapping[str, str], hide: Seq
     workdir = Path(workdir).resolve()
     home = _workdir(workdir)
     read_only = _read_only_paths()
-    bound = [p for p in read_only if not p.is_symlink()]
+    bound = [p for p in read_only if not p.is_symlink()]  # a symlink made in the sandbox is not a folder to go into
     return [
         program, *_namespaces(), *_environment(env, home),
         # /tmp first, so that workdir's parents, if it lies in /tmp, are made in the private one.
         "--perms", "1777", "--tmpfs", "/tmp",
-        *_parent_dirs([*bound, workdir], bound),
+        *_parent_dirs([*read_only, workdir], bound),
         *[arg for path in read_only for arg in _read_only(path)],
         *_devices(),
         "--bind", str(workdir), str(workdir),
