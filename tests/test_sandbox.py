@@ -1,5 +1,6 @@
 """The grader's sandbox: what a submission can see, write, reach and leave behind, and that the checker still runs in it."""
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -298,16 +299,29 @@ def gone(marker: str) -> bool:
     return wait_for(lambda: not with_marker(f"{marker}-hopper") and not with_marker(f"{marker}-setsid"), 5)
 
 
-def test_nothing_outlives_the_first_process(workdir):
-    marker = f"escaper-{uuid.uuid4().hex}"
+@pytest.fixture
+def marker():
+    """A unique word for this test's processes; any still running at the end (the test failed) are killed."""
+    word = f"escaper-{uuid.uuid4().hex}"
+    yield word
+    for _ in range(50):  # a fork-hopper changes pid: kill until none is left
+        pids = with_marker(word)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
+
+
+def test_nothing_outlives_the_first_process(workdir, marker):
     proc = start_escapers(workdir, marker)
     proc.stdin.close()  # the driver exits
     assert proc.wait(30) == 0
     assert gone(marker), with_marker(marker)
 
 
-def test_nothing_outlives_a_killed_sandbox(workdir):
-    marker = f"escaper-{uuid.uuid4().hex}"
+def test_nothing_outlives_a_killed_sandbox(workdir, marker):
     proc = start_escapers(workdir, marker)
     proc.send_signal(signal.SIGKILL)  # bwrap itself, as the grader's stop() does
     proc.wait(30)
