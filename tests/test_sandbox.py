@@ -1,0 +1,453 @@
+"""The grader's sandbox: what a submission can see, write, reach and leave behind, and that the checker still runs in it."""
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from course_utils.tooling import sandbox
+from course_utils.tooling.layout import root
+from course_utils.tooling.sandbox import Limits, apply_limits, bwrap_path, command
+
+if bwrap_path() is None:
+    pytest.skip("bubblewrap (bwrap) is not installed, or this is not Linux: no sandbox to test", allow_module_level=True)
+
+# The course under test, not an editable install elsewhere, must be what the sandbox imports.
+COURSE_ENV = {"PYTHONPATH": str(root())}
+
+
+@pytest.fixture
+def workdir():
+    """A submission's folder as the grader makes it: mkdtemp (mode 0700) in /tmp."""
+    with tempfile.TemporaryDirectory(prefix="course-grade-") as folder:
+        yield Path(folder)
+
+
+def run(argv: list[str], workdir: Path, *, env: dict | None = None, hide=(), keep_fds=(), limits: Limits = Limits(),
+        timeout: float = 120) -> subprocess.CompletedProcess:
+    """argv in the sandbox, as the grader runs it; stdout and stderr as text."""
+    line = command(argv, workdir=workdir, env={**COURSE_ENV, **(env or {})}, hide=hide, keep_fds=keep_fds)
+    return subprocess.run(line, preexec_fn=lambda: apply_limits(limits), pass_fds=keep_fds, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def python(code: str, workdir: Path, *args: str, **options) -> subprocess.CompletedProcess:
+    """Python code in the sandbox; fails the test with its stderr if it does not exit 0."""
+    result = run([sys.executable, "-c", textwrap.dedent(code), *args], workdir, **options)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def with_marker(marker: str) -> list[int]:
+    """Pids of the processes (outside or in any sandbox) whose command line holds marker."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_for(condition, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# ---------------------------------------------------------------- what it can see
+
+READ_ALL = """
+    import json, sys
+    seen = {}
+    for path in sys.argv[1:]:
+        try:
+            with open(path, "rb") as f:
+                seen[path] = f.read().decode(errors="replace")
+        except OSError as err:
+            seen[path] = type(err).__name__
+    print(json.dumps(seen))
+"""
+
+
+def read_inside(paths: list[Path], workdir: Path, **options) -> dict[str, str]:
+    return json.loads(python(READ_ALL, workdir, *map(str, paths), **options).stdout)
+
+
+def test_files_outside_what_is_bound_cannot_be_read(tmp_path, workdir):
+    classmate = tmp_path / "classmate.ipynb"
+    classmate.write_text("CLASSMATE'S ANSWERS")
+    course_secrets = [p for p in (root() / ".git", root() / "README.md", root() / "tests" / "conftest.py") if p.exists()]
+    allowed = root() / "notebooks" / "00_orientation.ipynb"
+    seen = read_inside([classmate, *course_secrets, Path("/etc/shadow"), Path("/etc/hostname"), allowed], workdir)
+    assert seen.pop(str(allowed)).startswith("{"), "the course's notebooks must stay readable"
+    assert course_secrets, "no file of the course folder outside what the checker needs to try"
+    assert set(seen.values()) <= {"FileNotFoundError", "PermissionError"}, seen
+
+
+def test_hidden_paths_under_a_bound_folder_are_masked(workdir):
+    submissions, out = workdir / "submissions", workdir / "grades.csv"
+    submissions.mkdir()
+    (submissions / "alice.ipynb").write_text("ALICE'S ANSWERS")
+    out.write_text("bob,00,pass")
+    listing = python("import os, sys; print(os.listdir(sys.argv[1]))", workdir, str(submissions), hide=[submissions, out])
+    assert listing.stdout.strip() == "[]"
+    seen = read_inside([submissions / "alice.ipynb", out], workdir, hide=[submissions, out])
+    # A file is masked by /dev/null, bound without device access (nodev): it cannot even be opened.
+    assert seen == {str(submissions / "alice.ipynb"): "FileNotFoundError", str(out): "PermissionError"}
+    # The control: without hide, the same files are there to read.
+    assert read_inside([out], workdir) == {str(out): "bob,00,pass"}
+
+
+def test_hidden_paths_that_do_not_exist_or_are_not_bound_are_left_out(tmp_path, workdir):
+    outside = tmp_path / "grades.csv"
+    outside.write_text("x")
+    line = command(["true"], workdir=workdir, env={}, hide=[tmp_path / "missing", outside])
+    assert str(tmp_path / "missing") not in line and str(outside) not in line
+
+
+def test_only_the_listed_paths_are_bound(workdir):
+    line = command(["true"], workdir=workdir, env={})
+    sources = {line[i + 1] for i, arg in enumerate(line) if arg in ("--bind", "--ro-bind", "--dev-bind")}
+    writable = {line[i + 1] for i, arg in enumerate(line) if arg in ("--bind", "--dev-bind") and not line[i + 1].startswith("/dev/")}
+    assert writable == {str(workdir.resolve())}
+    assert "/" not in sources and "/etc" not in sources and str(root()) not in sources
+    assert {str(root() / p) for p in ("course_utils", "notebooks", "data")} <= sources
+    assert not any(s.startswith(str(root() / ".git")) or s.startswith(str(root() / "work")) for s in sources)
+
+
+# ---------------------------------------------------------------- who it runs as, with what environment
+
+def test_environment_and_identity(monkeypatch, workdir):
+    monkeypatch.setenv("COURSE_GRADER_SECRET", "s3cret")
+    code = """
+        import json, os, pathlib
+        status = dict(line.split(":\\t", 1) for line in pathlib.Path("/proc/self/status").read_text().splitlines())
+        namespaces = {n: os.readlink(f"/proc/self/ns/{n}") for n in ("pid", "net", "ipc", "uts", "mnt")}
+        print(json.dumps({"env": dict(os.environ), "uid": os.getuid(), "cwd": os.getcwd(), "ns": namespaces,
+                          "caps": [status[k].strip() for k in ("CapEff", "CapBnd")], "nnp": status["NoNewPrivs"].strip()}))
+    """
+    seen = json.loads(python(code, workdir, env={"COURSE_CHECK_MODE": "1", "HOME": "/root", "USER": "root"}).stdout)
+    shared = [n for n, link in seen["ns"].items() if os.readlink(f"/proc/self/ns/{n}") == link]
+    assert not shared, f"namespaces shared with the grader: {shared}"
+    env = seen["env"]
+    assert "COURSE_GRADER_SECRET" not in env and "s3cret" not in json.dumps(env)
+    assert env["COURSE_CHECK_MODE"] == "1"
+    assert env["HOME"] == str(workdir.resolve() / "home") and (workdir / "home").is_dir()
+    assert (env["USER"], env["LOGNAME"], env["TMPDIR"], env["LC_ALL"]) == ("nobody", "nobody", "/tmp", "C.UTF-8")
+    assert seen["cwd"] == str(workdir.resolve())
+    assert seen["uid"] == sandbox._sandbox_ids()[0] != 0
+    assert seen["caps"] == ["0000000000000000", "0000000000000000"] and seen["nnp"] == "1"
+
+
+# ---------------------------------------------------------------- what it can write
+
+WRITE_ALL = """
+    import json, sys
+    result = {}
+    for path in sys.argv[1:]:
+        try:
+            with open(path, "a") as f:
+                f.write("written in the sandbox")
+            result[path] = "ok"
+        except OSError as err:
+            result[path] = type(err).__name__
+    print(json.dumps(result))
+"""
+
+
+MOUNTS = """
+    import json
+    # /proc/self/mountinfo: field 5 is the mount point, field 6 its options (ro or rw first).
+    print(json.dumps({f[4]: f[5].split(",")[0] for f in map(str.split, open("/proc/self/mountinfo"))}))
+"""
+
+
+def test_everything_bound_is_read_only_but_workdir_and_tmp(workdir):
+    mounts = json.loads(python(MOUNTS, workdir).stdout)
+    read_only = [root() / "course_utils", root() / "notebooks", root() / "data", Path(sys.prefix).resolve(),
+                 Path(sys.base_prefix).resolve(), Path("/usr"), Path("/etc/passwd")]
+    assert {str(p): mounts.get(str(p)) for p in read_only} == {str(p): "ro" for p in read_only}
+    assert [mounts[p] for p in (str(workdir.resolve()), "/tmp", "/dev/shm")] == ["rw"] * 3
+    writable = {point for point, mode in mounts.items() if mode == "rw" and point.split("/")[1] not in ("dev", "proc")}
+    assert writable == {str(workdir.resolve()), "/tmp"}
+    assert mounts["/"] == "ro"
+
+
+def test_only_workdir_and_tmp_are_writable(tmp_path, workdir):
+    lesson = root() / "course_utils" / "lesson00.py"
+    before = hashlib.sha256(lesson.read_bytes()).hexdigest()
+    sibling = tmp_path / "beside-workdir.txt"
+    targets = [lesson, root() / "notebooks" / "new.ipynb", Path(sys.prefix) / "planted.py", Path("/usr/planted"),
+               sibling, workdir / "out.txt", workdir / "home" / ".rc", Path("/tmp/scratch"), Path("/dev/shm/x")]
+    result = json.loads(python(WRITE_ALL, workdir, *map(str, targets)).stdout)
+    assert [result[str(t)] for t in targets[5:]] == ["ok"] * 4
+    assert all(result[str(t)] != "ok" for t in targets[:5]), result
+    assert hashlib.sha256(lesson.read_bytes()).hexdigest() == before
+    assert not (root() / "notebooks" / "new.ipynb").exists() and not sibling.exists()
+    assert (workdir / "out.txt").read_text() == "written in the sandbox"
+    assert not Path("/tmp/scratch").exists() or Path("/tmp/scratch").read_text() != "written in the sandbox"
+
+
+# ---------------------------------------------------------------- what it can reach
+
+@pytest.fixture
+def host_server():
+    """A TCP server outside the sandbox on every address of this machine; yields its port."""
+    server = socket.create_server(("0.0.0.0", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                server.accept()[0].close()
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def host_address() -> str | None:
+    """This machine's address on its default route (no packet is sent), or None without one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.255", 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return None
+
+
+NETWORK = """
+    import json, socket, sys, threading
+    server = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=lambda: server.accept()[0].sendall(b"pong"), daemon=True).start()
+    with socket.create_connection(server.getsockname(), timeout=5) as client:
+        loopback = client.recv(4).decode()
+    outside = {}
+    for host in sys.argv[2:]:
+        try:
+            socket.create_connection((host, int(sys.argv[1])), timeout=3).close()
+            outside[host] = "connected"
+        except OSError as err:
+            outside[host] = type(err).__name__
+    print(json.dumps({"loopback": loopback, "outside": outside}))
+"""
+
+
+def test_loopback_works_and_nothing_else_is_reachable(host_server, workdir):
+    address = host_address()
+    hosts = ["127.0.0.1", *([address] if address and not address.startswith("127.") else []), "1.1.1.1"]
+    # The control: outside the sandbox the host's server answers on its addresses.
+    for host in hosts[:-1]:
+        socket.create_connection((host, host_server), timeout=3).close()
+    seen = json.loads(python(NETWORK, workdir, str(host_server), *hosts).stdout)
+    assert seen["loopback"] == "pong"
+    assert "connected" not in seen["outside"].values(), seen["outside"]
+    assert seen["outside"]["127.0.0.1"] == "ConnectionRefusedError"  # its own loopback, where nothing listens
+
+
+# ---------------------------------------------------------------- what it leaves behind
+
+HOPPER = "import os, time\nwhile True:\n    if os.fork(): os._exit(0)\n    time.sleep(0.005)\n"
+
+DRIVER = f"""
+import subprocess, sys
+marker = sys.argv[1]
+subprocess.Popen([sys.executable, "-c", {HOPPER!r}, marker + "-hopper"])
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker + "-setsid"], start_new_session=True)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def start_escapers(workdir: Path, marker: str) -> subprocess.Popen:
+    """The driver, its fork-hopper and its setsid sleeper running in a sandbox, checked to be visible from here."""
+    line = command([sys.executable, "-c", DRIVER, marker], workdir=workdir, env=COURSE_ENV)
+    proc = subprocess.Popen(line, preexec_fn=lambda: apply_limits(Limits()), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    # The control: the scan does see them while the sandbox runs.
+    assert wait_for(lambda: with_marker(f"{marker}-hopper") and with_marker(f"{marker}-setsid"))
+    return proc
+
+
+def gone(marker: str) -> bool:
+    return wait_for(lambda: not with_marker(f"{marker}-hopper") and not with_marker(f"{marker}-setsid"), 5)
+
+
+@pytest.fixture
+def marker():
+    """A unique word for this test's processes; any still running at the end (the test failed) are killed."""
+    word = f"escaper-{uuid.uuid4().hex}"
+    yield word
+    for _ in range(50):  # a fork-hopper changes pid: kill until none is left
+        pids = with_marker(word)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
+
+
+def test_nothing_outlives_the_first_process(workdir, marker):
+    proc = start_escapers(workdir, marker)
+    proc.stdin.close()  # the driver exits
+    assert proc.wait(30) == 0
+    assert gone(marker), with_marker(marker)
+
+
+def test_nothing_outlives_a_killed_sandbox(workdir, marker):
+    proc = start_escapers(workdir, marker)
+    proc.send_signal(signal.SIGKILL)  # bwrap itself, as the grader's stop() does
+    proc.wait(30)
+    assert gone(marker), with_marker(marker)
+
+
+def test_processes_outside_are_invisible(workdir):
+    marker = f"outside-{uuid.uuid4().hex}"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
+    try:
+        assert wait_for(lambda: with_marker(marker))
+        code = """
+            import pathlib, sys
+            cmdlines = [p.read_bytes() for p in pathlib.Path("/proc").glob("[0-9]*/cmdline")]
+            print(len(cmdlines), any(sys.argv[1][::-1].encode() in c for c in cmdlines))
+        """
+        count, seen = python(code, workdir, marker[::-1]).stdout.split()  # reversed: not in its own argv
+        assert seen == "False" and int(count) < 10
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+# ---------------------------------------------------------------- limits and descriptors
+
+def test_limits_apply_inside(workdir):
+    limits = Limits(memory_mb=1024, processes=30, open_files=77, file_size_mb=1)
+    code = """
+        import json, os, resource, time
+        result = {"nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0], "data": resource.getrlimit(resource.RLIMIT_DATA)[0]}
+        try:
+            with open("big", "wb") as f:
+                f.write(b"x" * (2 << 20))
+        except OSError as err:
+            result["write"] = err.errno
+        try:
+            blob = bytearray(1200 << 20)
+        except MemoryError:
+            result["alloc"] = "MemoryError"
+        children = []
+        try:
+            for _ in range(60):
+                pid = os.fork()
+                if pid == 0:
+                    time.sleep(2)
+                    os._exit(0)
+                children.append(pid)
+        except OSError as err:
+            result["fork"] = [len(children), err.errno]
+        print(json.dumps(result))
+    """
+    seen = json.loads(python(code, workdir, limits=limits).stdout)
+    assert seen["nofile"] == 77 and seen["data"] == 1024 << 20
+    assert seen["write"] == errno.EFBIG and (workdir / "big").stat().st_size == 1 << 20
+    assert seen["alloc"] == "MemoryError"
+    assert seen["fork"][1] == errno.EAGAIN and seen["fork"][0] < 30, seen  # a fork bomb stops at the limit
+
+
+def test_apply_limits_sets_each_limit():
+    code = ("import resource, sys; from course_utils.tooling.sandbox import Limits, apply_limits\n"
+            "apply_limits(Limits(memory_mb=3000, processes=99, open_files=88, file_size_mb=7))\n"
+            "print([resource.getrlimit(getattr(resource, n)) for n in ('RLIMIT_DATA', 'RLIMIT_NPROC', 'RLIMIT_NOFILE', 'RLIMIT_FSIZE')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **COURSE_ENV}, check=True).stdout
+    assert out.strip() == str([(3000 << 20,) * 2, (99, 99), (88, 88), (7 << 20,) * 2])
+
+
+def test_a_kept_pipe_carries_the_result_out(workdir):
+    read_end, write_end = os.pipe()
+    try:
+        result = run([sys.executable, "-c", "import os, sys; os.write(int(sys.argv[1]), b'{\"result\": 42}')", str(write_end)],
+                     workdir, keep_fds=[write_end])
+        os.close(write_end)
+        write_end = None
+        assert result.returncode == 0, result.stderr
+        assert os.read(read_end, 100) == b'{"result": 42}'
+    finally:
+        os.close(read_end)
+        if write_end is not None:
+            os.close(write_end)
+
+
+def test_keep_fds_refuses_what_cannot_be_passed(workdir):
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    os.close(write_end)
+    with pytest.raises(OSError):
+        command(["true"], workdir=workdir, env={}, keep_fds=[write_end])
+    with pytest.raises(ValueError):
+        command(["true"], workdir=workdir, env={}, keep_fds=[1])
+
+
+# ---------------------------------------------------------------- the course runs in it
+
+def test_torch_and_course_utils_import(workdir):
+    code = "import torch, course_utils; print(torch.ones(2).sum().item(), course_utils.__file__)"
+    total, where = python(code, workdir).stdout.split()
+    assert total == "2.0" and where == str(root() / "course_utils" / "__init__.py")
+
+
+def checker(notebook: Path, workdir: Path) -> dict:
+    """The course's checker, as the grader runs it, on a copy of notebook in workdir; its JSON report."""
+    copy = workdir / notebook.name
+    shutil.copyfile(notebook, copy)
+    report = workdir / "report.json"
+    argv = [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-q", "-p", "no:cacheprovider",
+            "--course-report", str(report), str(copy)]
+    result = run(argv, workdir, env={"COURSE_CHECK_MODE": "1"}, timeout=400)
+    assert report.exists(), result.stdout[-3000:] + result.stderr[-3000:]
+    (notebook_report,) = json.loads(report.read_text()).values()
+    return notebook_report
+
+
+@pytest.mark.slow
+def test_the_checker_runs_a_learner_copy(workdir):
+    report = checker(root() / "notebooks" / "00_orientation.ipynb", workdir)
+    statuses = {name: verdict["status"] for name, verdict in report["exercises"].items()}
+    assert statuses and set(statuses.values()) == {"not attempted"}, report
+
+
+@pytest.mark.slow
+def test_the_heaviest_lesson_passes_under_the_default_limits(workdir):
+    report = checker(root() / "notebooks" / "solutions" / "07_compile.ipynb", workdir)
+    statuses = {name: verdict["status"] for name, verdict in report["exercises"].items()}
+    assert statuses and set(statuses.values()) == {"passed"}, report
+
+
+def test_no_bwrap_elsewhere(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert bwrap_path() is None
