@@ -59,6 +59,86 @@ def test_an_unreadable_record_counts_as_none(work, content):
     assert progress.load_records(work)["03"]["a"]["status"] == "passed"
 
 
+MALFORMED = {
+    "a string for a lesson": '{"00": "x"}',
+    "a list": "[1, 2]",
+    "not JSON": "{not json",
+    "a string for an exercise": '{"00": {"draw": "passed"}}',
+    "an exercise without a status": '{"00": {"draw": {"reason": "x"}}}',
+    "not UTF-8": b"\xff\xfe{",
+    "empty": "",
+}
+
+
+def _write(path, content):
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+
+
+def _set_aside(work):
+    return sorted(p for p in work.iterdir() if p.name.startswith(".progress.json.broken-"))
+
+
+@pytest.mark.parametrize("content", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_record_is_set_aside_with_one_line(work, capsys, content):
+    _write(work / ".progress.json", content)
+    original = (work / ".progress.json").read_bytes()
+    assert progress.load_records(work) == {}
+    (kept,) = _set_aside(work)
+    assert kept.read_bytes() == original and not (work / ".progress.json").exists()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"{work / '.progress.json'} was ") and f"so it was set aside as {kept.name}; progress is recorded afresh" in err
+    progress.save_verdicts(work, "03", [Verdict("a", "passed")])
+    assert progress.load_records(work) == {"03": {"a": {"status": "passed", "reason": "", "time": progress.load_records(work)["03"]["a"]["time"]}}}
+
+
+@pytest.mark.parametrize("content", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_record_never_fails_a_check(work, monkeypatch, capsys, content):
+    """The symptom: a check in the work folder raised from record(), so a correct answer failed."""
+    import IPython
+    import IPython.display
+
+    from course_utils.tooling.checks import exercise
+
+    shown = []
+    monkeypatch.delenv("COURSE_CHECKER", raising=False)
+    monkeypatch.setattr(IPython, "get_ipython", lambda: type("Shell", (), {"kernel": 1})())
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append(obj))
+    monkeypatch.chdir(work)
+    _write(work / ".progress.json", content)
+
+    def passing(fn):
+        pass
+
+    passing.__module__ = "course_utils.lesson00"  # a lesson's check records its verdict
+    exercise("draw")(passing)(lambda: None)
+    assert [obj["text/plain"] for obj in shown] == ["PASS draw: all checks passed"]
+    assert progress.load_records(work)["00"]["draw"]["status"] == "passed"
+    assert len(_set_aside(work)) == 1
+
+
+@pytest.mark.parametrize("content", MALFORMED.values(), ids=MALFORMED.keys())
+def test_progress_command_survives_a_malformed_record(work, capsys, content):
+    from course_utils.tooling import cli, workspace
+
+    workspace.ensure_workspace()
+    _write(work / ".progress.json", content)
+    assert cli.main(["progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and "TOTAL" in out
+    assert err.count("\n") == 1 and "set aside as .progress.json.broken-" in err
+
+
+def test_two_malformed_records_in_one_second_are_both_kept(work):
+    for content in ('{"00": "x"}', "[1]"):
+        (work / ".progress.json").write_text(content)
+        progress.load_records(work)
+    assert sorted(p.read_text() for p in _set_aside(work)) == ['[1]', '{"00": "x"}']
+
+
 def _writer(folder: str, lesson: str, n: int) -> None:
     for i in range(n):
         progress.save_verdicts(layout.Path(folder), lesson, [Verdict(f"e{i}", "passed")])

@@ -8,12 +8,15 @@ re-runs the checker over every lesson for an exact answer.
 
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
 from course_utils.tooling.verdicts import SYMBOL, Verdict, checker_running, verdict_html
-from course_utils.tooling.layout import CourseError, exercises, read_notebook_json, source_notebooks, work_dir, write_atomic
+from course_utils.tooling.layout import (
+    CourseError, exercises, read_notebook_json, shown, source_notebooks, work_dir, write_atomic,
+)
 
 PROGRESS_FILE = ".progress.json"
 NOT_CHECKED = "not checked yet: run its check cell"
@@ -41,12 +44,59 @@ def progress_file(folder: Path) -> Path:
 
 
 def load_records(folder: Path) -> dict[str, dict[str, dict]]:
-    """{lesson: {exercise: {"status", "reason", "time"}}}; empty when there is no readable record."""
+    """{lesson: {exercise: {"status", "reason", "time"}}}; empty when there is no record.
+
+    A file that is not such a record (not JSON, a list, {"00": "x"}, ...) is set aside with a
+    one-line message and counts as none, so that it never breaks a check or the progress table.
+    """
+    path = progress_file(folder)
     try:
-        records = json.loads(progress_file(folder).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = path.read_bytes()
+    except OSError:  # none yet, or unreadable: nothing to show, and nothing to set aside
         return {}
-    return records if isinstance(records, dict) else {}
+    records, problem = parse_records(data)
+    if problem:
+        set_aside(path, problem)
+        return {}
+    return records
+
+
+def parse_records(data: bytes) -> tuple[dict, str | None]:
+    """(the records, None), or ({}, what is wrong with them)."""
+    try:
+        records = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return {}, "empty" if not data.strip() else "not JSON"
+    if not _well_formed(records):
+        return {}, 'not of the form {lesson: {exercise: {"status": ...}}}'
+    return records, None
+
+
+def _well_formed(records: object) -> bool:
+    return isinstance(records, dict) and all(
+        isinstance(lesson, str) and isinstance(entries, dict) and all(
+            isinstance(entry, dict) and isinstance(entry.get("status"), str) for entry in entries.values())
+        for lesson, entries in records.items())
+
+
+def set_aside(path: Path, problem: str) -> Path | None:
+    """Rename a malformed progress file to .progress.json.broken-<time> and say so in one line; return the new name."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    kept = path.with_name(f"{path.name}.broken-{stamp}")
+    n = 1
+    while kept.exists():
+        kept = path.with_name(f"{path.name}.broken-{stamp}-{n}")
+        n += 1
+    try:
+        path.rename(kept)
+    except FileNotFoundError:  # another kernel set it aside first
+        return None
+    except OSError as err:
+        print(f"{shown(path)} is {problem} and could not be set aside ({err.strerror}): delete it", file=sys.stderr)
+        return None
+    print(f"{shown(path)} was {problem}, so it was set aside as {kept.name}; progress is recorded afresh "
+          "(`python -m course_utils progress --recheck` rebuilds it)", file=sys.stderr)
+    return kept
 
 
 @contextlib.contextmanager
