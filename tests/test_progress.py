@@ -17,6 +17,8 @@ def work(tmp_path, monkeypatch):
     folder.mkdir()
     monkeypatch.setenv("COURSE_WORK_DIR", str(folder))
     monkeypatch.setattr(progress, "_session", {})
+    monkeypatch.delenv("COURSE_CHECKER", raising=False)  # set by the course's plugin in this pytest process too
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
     return folder
 
 
@@ -218,3 +220,34 @@ def test_progress_table_names_missing_and_unreadable_notebooks(work):
     assert table.loc[sources[2].stem, "failing"] == "(notebook unreadable)"
     text = progress.format_progress(table)
     assert text.splitlines()[-2].startswith("problem: ") and text.splitlines()[-1].startswith("problem: ")
+
+
+@pytest.mark.parametrize("env, recorded", [
+    ({}, True),  # a plain kernel in the work folder
+    ({"JPY_SESSION_NAME": "/course/work/01_tensors.ipynb"}, True),  # JupyterLab, the lesson's own notebook
+    ({"JPY_SESSION_NAME": "/course/work/00_orientation.ipynb"}, False),  # lesson 01's checks in lesson 00's file
+    ({"JPY_SESSION_NAME": "/course/work/Untitled.ipynb"}, False),  # a scratch notebook
+    ({"COURSE_CHECKER": "1"}, False),  # the checker: `course_utils check` records once it knows the lesson
+])
+def test_only_the_lessons_own_notebook_records_into_the_work_folder(work, monkeypatch, env, recorded):
+    monkeypatch.chdir(work)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    progress.save_verdicts(work, "01", [Verdict("x", "passed")])
+    progress.record("01", Verdict("x", "failed", "from another notebook"))
+    assert progress._session["01"]["x"].status == "failed"  # this session's scoreboard has it either way
+    assert progress.load_records(work)["01"]["x"]["status"] == ("failed" if recorded else "passed")
+
+
+def test_a_notebook_holding_another_lesson_is_a_problem(work):
+    sources = layout.source_notebooks()
+    for source in sources:
+        (work / source.name).write_text(layout.learner_path(source).read_text())
+    wrong = work / sources[0].name
+    wrong.write_text(layout.learner_path(sources[1]).read_text())
+    held = sources[1].name[:2]
+    assert progress.notebook_problem(wrong).startswith(f"{wrong} holds lesson {held}, not {sources[0].name[:2]}: ")
+    assert progress.notebook_problem(work / sources[1].name) is None
+    table = progress.progress_table()
+    assert table.attrs["problems"] == [progress.notebook_problem(wrong)]
+    assert table.loc[sources[0].stem, "failing"] == "(holds another lesson)"

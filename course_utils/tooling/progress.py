@@ -4,10 +4,16 @@ A check records its verdict in this kernel's session and, when the notebook runs
 learner's work folder, in work/.progress.json. So the progress table is current the moment a
 check cell ran, saved or not, and costs no kernel to show. `course_utils progress --recheck`
 re-runs the checker over every lesson for an exact answer.
+
+A lesson's record holds only the verdicts of that lesson's own file, work/NN_topic.ipynb: a
+kernel of another notebook (a copy, or lesson 01 saved as 00_orientation.ipynb) keeps its
+verdicts for its session, and under the checker the command line records them once it has
+seen which lesson the notebook holds.
 """
 
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,7 +21,7 @@ from typing import Iterator
 
 from course_utils.tooling.verdicts import SYMBOL, Verdict, checker_running, verdict_html
 from course_utils.tooling.layout import (
-    CourseError, exercises, read_notebook_json, shown, source_notebooks, work_dir, write_atomic,
+    CourseError, exercises, lesson_of, lesson_of_path, read_notebook_json, shown, source_notebooks, work_dir, write_atomic,
 )
 
 PROGRESS_FILE = ".progress.json"
@@ -27,9 +33,17 @@ _session: dict[str, dict[str, Verdict]] = {}
 def record(lesson: str, verdict: Verdict) -> None:
     """Keep a check's verdict for this session's scoreboard and, in the work folder, for the progress table."""
     _session.setdefault(lesson, {})[verdict.exercise] = verdict
-    if _in_work_dir():
+    if _in_work_dir() and _kernel_may_record(lesson):
         with contextlib.suppress(OSError):  # a read-only folder must not break a check
             save_verdicts(work_dir(), lesson, [verdict])
+
+
+def _kernel_may_record(lesson: str) -> bool:
+    """Whether this kernel's verdicts of `lesson` belong in the work folder's record."""
+    if os.environ.get("COURSE_CHECKER") == "1":
+        return False  # `course_utils check` records them itself, and only for a notebook that holds its own lesson
+    notebook = os.environ.get("JPY_SESSION_NAME")  # the notebook jupyter_server started this kernel for
+    return notebook is None or lesson_of_path(Path(notebook)) == lesson
 
 
 def _in_work_dir() -> bool:
@@ -181,12 +195,39 @@ def show_scoreboard(lesson: str) -> None:
 
 
 def notebook_problem(path: Path) -> str | None:
-    """Why a learner's notebook cannot be checked (missing, empty, truncated, not a notebook), or None."""
+    """Why a learner's notebook cannot be checked (missing, empty, truncated, not a notebook, another lesson), or None."""
+    return unreadable_problem(path) or wrong_lesson_problem(path)
+
+
+def unreadable_problem(path: Path) -> str | None:
+    """Why a notebook cannot be read (missing, empty, truncated, not a notebook), or None."""
     try:
         read_notebook_json(path)
     except CourseError as err:
         return str(err)
     return None
+
+
+def other_lesson(path: Path, nb: dict) -> str | None:
+    """The lesson a notebook holds when its file name names another ('01' for lesson 01 saved as 00_orientation.ipynb)."""
+    named, held = lesson_of_path(path), lesson_of(nb, path)
+    return held if named and held and held != named else None
+
+
+def wrong_lesson_message(path: Path, held: str) -> str:
+    """One line: the notebook holds another lesson than its name says, so it is neither checked nor recorded as its name's."""
+    named = lesson_of_path(path)
+    return (f"{shown(path)} holds lesson {held}, not {named}: it is not checked as lesson {named} and nothing is recorded "
+            f"for it; rename it, or `python -m course_utils reset {named}` for a fresh lesson {named} (yours is kept as a backup)")
+
+
+def wrong_lesson_problem(path: Path) -> str | None:
+    """wrong_lesson_message for a readable notebook that holds another lesson than its name says, else None."""
+    try:
+        held = other_lesson(path, read_notebook_json(path))
+    except CourseError:
+        return None
+    return wrong_lesson_message(path, held) if held else None
 
 
 def progress_rows(folder: Path | None = None) -> tuple[list[dict], list[str]]:
@@ -196,7 +237,8 @@ def progress_rows(folder: Path | None = None) -> tuple[list[dict], list[str]]:
     rows, problems = [], []
     for source in source_notebooks():
         lesson = source.name[:2]
-        problem = notebook_problem(folder / source.name)
+        unreadable = unreadable_problem(folder / source.name)
+        problem = unreadable or wrong_lesson_problem(folder / source.name)
         if problem:
             problems.append(problem)
         names = exercise_names(lesson)
@@ -209,9 +251,15 @@ def progress_rows(folder: Path | None = None) -> tuple[list[dict], list[str]]:
             "failed": counts["failed"],
             "not checked": counts["not run"],
             "total": len(names),
-            "failing": ", ".join(n for n, s in statuses.items() if s == "failed") or ("(notebook unreadable)" if problem else ""),
+            "failing": ", ".join(n for n, s in statuses.items() if s == "failed") or _problem_label(unreadable, problem),
         })
     return rows, problems
+
+
+def _problem_label(unreadable: str | None, problem: str | None) -> str:
+    if unreadable:
+        return "(notebook unreadable)"
+    return "(holds another lesson)" if problem else ""
 
 
 def progress_table(folder: Path | None = None):
