@@ -671,12 +671,37 @@ def test_exit_in_learner_code_is_a_failure():
     assert verdict == Verdict("double", "failed", "your code called exit() (SystemExit: 3): return a value instead")
 
 
-def test_keyboard_interrupt_is_not_swallowed():
+def test_a_keyboard_interrupt_raised_by_the_learners_code_is_a_verdict_line():
     def double(x):
         raise KeyboardInterrupt
 
+    verdict = _exercise_named("double").verdict(double)
+    assert verdict == Verdict("double", "failed", "double(tensor of shape (2,)) raised KeyboardInterrupt: (no message) "
+                                                  "(KeyboardInterrupt is what Ctrl-C raises: return a value, or raise an ordinary exception)")
+
+
+def test_a_real_interrupt_still_stops_the_check():
+    """Ctrl-C (SIGINT) while the learner's code runs is not the learner's doing: it must stop the cell."""
+    import os
+    import signal
+    import threading
+
+    def double(x):
+        while True:
+            time.sleep(0.01)
+
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
     with pytest.raises(KeyboardInterrupt):
         _exercise_named("double").verdict(double)
+    assert _exercise_named("double").verdict(lambda x: x * 2).passed  # and the next check is not taken for interrupted
+
+
+def test_call_outside_a_check_lets_keyboard_interrupt_through():
+    def raises():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        call(raises)
 
 
 # --- the time limit holds against learner code that fights it ------------------------------
@@ -815,6 +840,20 @@ def test_in_jupyterlab_a_check_ends_within_its_limit_whatever_the_learners_code_
     assert shown == ["FAIL double: took longer than 1 s: an endless loop?"]
     reply, shown, _ = _run_cell(kc, "check_double(lambda x: x * 2)")  # the kernel is fine afterwards
     assert shown == ["PASS double: all checks passed"]
+
+
+def test_in_jupyterlab_a_raised_keyboard_interrupt_is_a_verdict_and_a_real_one_stops_the_cell(lab_kernel):
+    km, kc = lab_kernel
+    reply, shown, _ = _run_cell(kc, "def double(x):\n    raise KeyboardInterrupt\ncheck_double(double)")
+    assert reply["status"] == "ok"
+    assert shown[0].startswith("FAIL double: double(tensor of shape (2,)) raised KeyboardInterrupt")
+    import threading
+
+    threading.Timer(1.0, km.interrupt_kernel).start()  # the learner presses Interrupt (the limit is 1 s: set a longer one)
+    reply, shown, _ = _run_cell(kc, "import os\nos.environ['COURSE_EXERCISE_SECONDS'] = '30'\n"
+                                    "def double(x):\n    while True:\n        time.sleep(0.05)\ncheck_double(double)")
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt" and shown == []
+    _run_cell(kc, "os.environ['COURSE_EXERCISE_SECONDS'] = '1'")
 
 
 def test_verdict_line():

@@ -159,7 +159,8 @@ class time_limit:
     fires again every RETRY_SECONDS and does the same. From the limit plus three retries, a
     watchdog thread sends NUDGE_SIGNAL to this thread, whose handler puts the course's SIGALRM
     handler back and does the same. When the check ends, the signal handlers, trace and profile
-    functions are those it started with.
+    functions are those it started with. It also tells a real interrupt (SIGINT: Ctrl-C, the
+    kernel's Interrupt) from a KeyboardInterrupt raised by the learner's code (see `call`).
 
     What cannot be stopped in-process, because Python runs signal handlers only between
     bytecodes of the main thread: a single call into compiled code that never returns to Python
@@ -176,6 +177,7 @@ class time_limit:
         self.seconds = seconds
         self.usable = seconds > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
         self.running = False
+        self.real_interrupt = False
         self._previous: dict[int, Any] = {}
         self._traced: list[tuple[Any, Any]] = []
         self._previous_trace: Any = None
@@ -189,10 +191,12 @@ class time_limit:
             return self
         self.running = True
         self._install(signal.SIGALRM, self._expire)
+        self._install(signal.SIGINT, self._interrupted)
         if NUDGE_SIGNAL is not None:
             self._install(NUDGE_SIGNAL, self._nudged)
         signal.setitimer(signal.ITIMER_REAL, self.seconds, RETRY_SECONDS)
         self._start_watchdog()
+        _LIMITS.append(self)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -206,6 +210,7 @@ class time_limit:
         self._untrace()
         for signum, handler in reversed(self._previous.items()):
             signal.signal(signum, handler)
+        _LIMITS.remove(self)
 
     def _install(self, signum: int, handler: Callable) -> None:
         """Install a handler, keeping the one it replaces (a handler set outside Python cannot be restored, so it stays)."""
@@ -231,6 +236,17 @@ class time_limit:
         signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS, RETRY_SECONDS)
         self._trace_learner_frames(frame)
         raise ExerciseTimeout()
+
+    def _interrupted(self, signum: int, frame: Any) -> None:
+        """A real SIGINT: remember it, then do what the handler we replaced does (raise KeyboardInterrupt)."""
+        self.real_interrupt = True
+        previous = self._previous.get(signal.SIGINT)
+        if previous == signal.SIG_IGN:
+            return
+        if callable(previous):
+            previous(signum, frame)
+            return
+        raise KeyboardInterrupt
 
     def _stopping(self, frame: Any) -> bool:
         """True once the check has ended, or while it ends (in __exit__, before `running` is cleared)."""
@@ -285,6 +301,19 @@ class time_limit:
         for frame, previous in self._traced:
             frame.f_trace = previous
         self._traced.clear()
+
+
+_LIMITS: list[time_limit] = []  # the limits of the checks now running, innermost last
+
+
+def learner_interrupt() -> bool:
+    """True for a KeyboardInterrupt that the learner's code raised, False for a real one (Ctrl-C, the kernel's Interrupt).
+
+    A real interrupt arrives as SIGINT, which the running check's time_limit sees; without a
+    check watching for it (another thread, no signals) every KeyboardInterrupt counts as real.
+    """
+    watching = [limit for limit in _LIMITS if limit.usable]
+    return bool(watching) and not watching[-1].real_interrupt
 
 
 def not_attempted_message(name: str) -> str:
@@ -387,6 +416,15 @@ def call(
     expect_callable(fn, kind)
     try:
         return fn(*args)
+    except KeyboardInterrupt as err:
+        # Only a KeyboardInterrupt that the learner's code raised becomes a verdict. A real one
+        # (Ctrl-C, JupyterLab's Interrupt, the checker stopping a kernel) must still stop the
+        # cell. Where it was raised cannot tell them apart, since a real one lands in whatever
+        # runs, usually the learner's loop; its SIGINT can, and the check's time_limit notes it.
+        if not learner_interrupt():
+            raise
+        advice = " (KeyboardInterrupt is what Ctrl-C raises: return a value, or raise an ordinary exception)"
+        raise ExerciseFailed(f"{_described(fn, args, name, shown)} raised KeyboardInterrupt: {first_line(err)}{advice}") from None
     except Exception as err:  # noqa: BLE001 -- the learner's error, reported as theirs
         if stub_function(err):
             raise
