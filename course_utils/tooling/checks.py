@@ -162,12 +162,13 @@ class time_limit:
     functions are those it started with. It also tells a real interrupt (SIGINT: Ctrl-C, the
     kernel's Interrupt) from a KeyboardInterrupt raised by the learner's code (see `call`).
 
-    What cannot be stopped in-process, because Python runs signal handlers only between
-    bytecodes of the main thread: a single call into compiled code that never returns to Python
-    (a C or C++ extension looping or blocking with the interpreter held, a huge torch operation),
-    and code in threads the learner started, which keep running after the check ends. Under the
-    checker such a kernel is interrupted and then stopped after the grace period; in JupyterLab
-    only Kernel > Restart ends it.
+    What no in-process limit can stop: a single call into compiled code that never returns to
+    Python (a C or C++ extension that loops or blocks while holding the interpreter, a huge torch
+    operation), since Python runs signal handlers only between bytecodes; code in threads the
+    learner started, which keeps running after the check ends; and code that replaces or blocks
+    the handlers of both SIGALRM and NUDGE_SIGNAL (SIGUSR2). Under the checker such a kernel is
+    interrupted and then stopped after the grace period; in JupyterLab only Kernel > Restart
+    ends it.
 
     POSIX main thread only; elsewhere there is no limit here, and the checker's per-cell limit
     still holds.
