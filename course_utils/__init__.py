@@ -10,6 +10,15 @@ import os
 
 __version__ = "0.1.0"
 
+# The course runs offline. ONNX Runtime's official Linux and macOS wheels (1.29 and later) start
+# a telemetry uploader when the library loads: it looks up mobile.events.data.microsoft.com
+# some seconds later and keeps a device id and an event cache under ~/.cache/Microsoft. Its
+# documented opt-out (docs/Privacy.md, "Disabling Telemetry") must be set before it loads, and
+# `import onnxruntime` comes after this package in every lesson: `%load_ext course_utils` is
+# its first line, and the checker and grader import course_utils first. `disable_telemetry_events()`
+# after the import is too late: the uploader is already running.
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+
 
 def check_mode() -> bool:
     """True while the exercise checker runs: lessons may then shrink epochs and repeats."""

@@ -671,12 +671,189 @@ def test_exit_in_learner_code_is_a_failure():
     assert verdict == Verdict("double", "failed", "your code called exit() (SystemExit: 3): return a value instead")
 
 
-def test_keyboard_interrupt_is_not_swallowed():
+def test_a_keyboard_interrupt_raised_by_the_learners_code_is_a_verdict_line():
     def double(x):
         raise KeyboardInterrupt
 
+    verdict = _exercise_named("double").verdict(double)
+    assert verdict == Verdict("double", "failed", "double(tensor of shape (2,)) raised KeyboardInterrupt: (no message) "
+                                                  "(KeyboardInterrupt is what Ctrl-C raises: return a value, or raise an ordinary exception)")
+
+
+def test_a_real_interrupt_still_stops_the_check():
+    """Ctrl-C (SIGINT) while the learner's code runs is not the learner's doing: it must stop the cell."""
+    import os
+    import signal
+    import threading
+
+    def double(x):
+        while True:
+            time.sleep(0.01)
+
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
     with pytest.raises(KeyboardInterrupt):
         _exercise_named("double").verdict(double)
+    assert _exercise_named("double").verdict(lambda x: x * 2).passed  # and the next check is not taken for interrupted
+
+
+def test_call_outside_a_check_lets_keyboard_interrupt_through():
+    def raises():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        call(raises)
+
+
+# --- the time limit holds against learner code that fights it ------------------------------
+
+
+def _swallows(x):
+    while True:
+        try:
+            time.sleep(0.1)
+        except BaseException:  # a retry loop that catches the time limit too
+            pass
+
+
+def _own_alarm_handler(x):
+    import signal
+
+    signal.signal(signal.SIGALRM, lambda signum, frame: None)
+    while True:
+        time.sleep(0.1)
+
+
+def _own_alarm_handler_and_swallows(x):
+    import signal
+
+    signal.signal(signal.SIGALRM, lambda signum, frame: None)
+    _swallows(x)
+
+
+def _cancels_the_timer_and_spins(x):
+    import signal
+
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    n = 0
+    while True:
+        try:
+            n += 1
+        except BaseException:
+            pass
+
+
+def _swallows_at_two_levels(x):
+    for _ in range(10_000):
+        try:
+            _swallows(x)
+        except BaseException:
+            pass
+
+
+def _sleeps_long_with_its_own_handler(x):
+    import signal
+
+    signal.signal(signal.SIGALRM, lambda signum, frame: None)
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("learner", [_swallows, _own_alarm_handler, _own_alarm_handler_and_swallows,
+                                     _cancels_the_timer_and_spins, _swallows_at_two_levels, _sleeps_long_with_its_own_handler])
+def test_the_time_limit_holds_against_code_that_swallows_or_replaces_it(monkeypatch, learner):
+    import signal
+
+    monkeypatch.setenv("COURSE_EXERCISE_SECONDS", "0.5")
+    handler, trace, profile = signal.getsignal(signal.SIGALRM), sys.gettrace(), sys.getprofile()
+    start = time.monotonic()
+    verdict = _exercise_named("double").verdict(learner)
+    assert time.monotonic() - start < 0.5 + 1.5
+    assert verdict == Verdict("double", "failed", "took longer than 0.5 s: an endless loop?")
+    # everything as it was: the handler before the check, no timer, no trace or profile function
+    assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert (sys.gettrace(), sys.getprofile()) == (trace, profile)
+    time.sleep(0.3)  # no alarm or nudge may arrive later
+    assert _exercise_named("double").verdict(lambda x: x * 2).passed
+
+
+def test_a_check_that_ends_in_time_leaves_no_trace_or_watchdog(monkeypatch):
+    import threading
+
+    monkeypatch.setenv("COURSE_EXERCISE_SECONDS", "0.2")
+    trace, profile = sys.gettrace(), sys.getprofile()
+    assert _exercise_named("double").verdict(lambda x: x * 2).passed
+    assert not [t for t in threading.enumerate() if t.name == "course-time-limit"]
+    assert (sys.gettrace(), sys.getprofile()) == (trace, profile)
+
+
+# --- the same in a real kernel, as JupyterLab runs it ------------------------------------------
+
+LAB_CHECK = """
+import time, torch
+from course_utils.tooling.checks import call, exercise, expect_tensor
+
+@exercise("double")
+def check_double(fn):
+    expect_tensor(call(fn, torch.tensor([1.0, 2.0])), torch.tensor([2.0, 4.0]))
+"""
+
+
+@pytest.fixture(scope="module")
+def lab_kernel(tmp_path_factory):
+    """A kernel started as JupyterLab starts one (no COURSE_CHECKER), with a 1 s limit per check."""
+    import os
+
+    from jupyter_client.manager import start_new_kernel
+
+    env = {k: v for k, v in os.environ.items() if k not in ("COURSE_CHECKER", "COURSE_WORK_DIR")}
+    env["COURSE_EXERCISE_SECONDS"] = "1"
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(tmp_path_factory.mktemp("lab")))
+    try:
+        assert kc.execute_interactive(LAB_CHECK, timeout=120)["content"]["status"] == "ok"
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def _run_cell(kc, code: str, timeout: float = 60) -> tuple[dict, list[str], float]:
+    """(the execute reply's content, every text/plain shown, seconds taken) for one cell."""
+    shown = []
+
+    def keep(msg):
+        if msg["msg_type"] in ("display_data", "execute_result"):
+            shown.append(msg["content"]["data"].get("text/plain", ""))
+
+    start = time.monotonic()
+    reply = kc.execute_interactive(code, timeout=timeout, output_hook=keep)
+    return reply["content"], shown, time.monotonic() - start
+
+
+@pytest.mark.parametrize("body", [
+    "    while True:\n        try:\n            time.sleep(0.1)\n        except BaseException:\n            pass\n",
+    "    import signal\n    signal.signal(signal.SIGALRM, lambda s, f: None)\n    while True:\n        try:\n            time.sleep(0.1)\n"
+    "        except BaseException:\n            pass\n",
+], ids=["swallows", "own-handler-and-swallows"])
+def test_in_jupyterlab_a_check_ends_within_its_limit_whatever_the_learners_code_does(lab_kernel, body):
+    _, kc = lab_kernel
+    reply, shown, seconds = _run_cell(kc, f"def double(x):\n{body}\ncheck_double(double)\nprint('next line runs')")
+    assert reply["status"] == "ok" and seconds < 1 + 1.5
+    assert shown == ["FAIL double: took longer than 1 s: an endless loop?"]
+    reply, shown, _ = _run_cell(kc, "check_double(lambda x: x * 2)")  # the kernel is fine afterwards
+    assert shown == ["PASS double: all checks passed"]
+
+
+def test_in_jupyterlab_a_raised_keyboard_interrupt_is_a_verdict_and_a_real_one_stops_the_cell(lab_kernel):
+    km, kc = lab_kernel
+    reply, shown, _ = _run_cell(kc, "def double(x):\n    raise KeyboardInterrupt\ncheck_double(double)")
+    assert reply["status"] == "ok"
+    assert shown[0].startswith("FAIL double: double(tensor of shape (2,)) raised KeyboardInterrupt")
+    import threading
+
+    threading.Timer(1.0, km.interrupt_kernel).start()  # the learner presses Interrupt (the limit is 1 s: set a longer one)
+    reply, shown, _ = _run_cell(kc, "import os\nos.environ['COURSE_EXERCISE_SECONDS'] = '30'\n"
+                                    "def double(x):\n    while True:\n        time.sleep(0.05)\ncheck_double(double)")
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt" and shown == []
+    _run_cell(kc, "os.environ['COURSE_EXERCISE_SECONDS'] = '1'")
 
 
 def test_verdict_line():

@@ -141,3 +141,86 @@ def test_a_python_without_nbval_is_told_which_python_to_use(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_nbval)
     with pytest.raises(layout.CourseError, match=r"has no nbval, so it cannot run the checker: use the course's environment, e\.g\. `\.venv/bin/python -m course_utils"):
         runner.require_nbval()
+
+
+# --- a notebook that holds another lesson than its name says -------------------------------
+
+
+def _lesson_in_the_wrong_file(work, held: str = "01", named: str = "00"):
+    """Lesson `held` saved under lesson `named`'s file name, and `held`'s own record full of passes."""
+    from course_utils.tooling import progress
+    from course_utils.tooling.verdicts import Verdict
+
+    workspace.ensure_workspace()
+    wrong = work / layout.source_for(named).name
+    wrong.write_bytes(layout.learner_path(layout.source_for(held)).read_bytes())
+    passes = [Verdict(e.name, "passed") for e in layout.exercises(held)]
+    progress.save_verdicts(work, held, passes, replace=True)
+    return wrong, progress.load_records(work)
+
+
+def _no_checker(monkeypatch):
+    from course_utils.tooling import runner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the checker was started")
+
+    monkeypatch.setattr(runner, "run_checker", refuse)
+
+
+def test_check_of_a_file_that_holds_another_lesson_is_refused_in_one_line(work, capsys, monkeypatch):
+    from course_utils.tooling import progress
+
+    wrong, before = _lesson_in_the_wrong_file(work)
+    _no_checker(monkeypatch)
+    assert cli.main(["check", "00"]) == 1  # nothing was checked, so nothing passed
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"error: {wrong} holds lesson 01, not 00: it is not checked as lesson 00 and nothing is recorded for it; ")
+    assert "`python -m course_utils reset 00` for a fresh lesson 00" in err
+    assert progress.load_records(work) == before  # lesson 01's passes are untouched
+
+
+def test_check_by_path_judges_what_it_holds_and_records_neither_lesson(work, capsys, monkeypatch):
+    from course_utils.tooling import progress, runner
+
+    wrong, before = _lesson_in_the_wrong_file(work)
+    names = [e.name for e in layout.exercises("01")]
+    result = {"lesson": "01", "exercises": {n: {"status": "not attempted", "reason": "later"} for n in names}, "stopped_at": None}
+    monkeypatch.setattr(runner, "run_checker", lambda paths: {str(paths[0]): result})
+    assert cli.main(["check", str(wrong)]) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith(f"Not recorded: {wrong} holds lesson 01, not 00")
+    assert progress.load_records(work) == before
+
+
+def test_progress_names_a_file_that_holds_another_lesson_and_recheck_skips_it(work, capsys, monkeypatch):
+    from course_utils.tooling import progress, runner
+
+    wrong, before = _lesson_in_the_wrong_file(work)
+    rechecked = []
+    monkeypatch.setattr(runner, "run_checker", lambda paths: rechecked.extend(paths) or {})
+    assert cli.main(["progress", "--recheck"]) == 1
+    out = capsys.readouterr().out
+    assert f"problem: {wrong} holds lesson 01, not 00" in out
+    assert wrong not in rechecked and work / layout.source_for("01").name in rechecked
+    table = progress.progress_table()
+    assert table.loc[layout.source_for("00").stem, "failing"] == "(holds another lesson)"
+    assert progress.load_records(work) == before
+
+
+def test_check_of_a_correct_notebook_passes_and_is_recorded_despite_a_malformed_record(work, capsys):
+    """The real checker, end to end: a broken .progress.json is set aside and the check still passes."""
+    from course_utils.tooling import progress
+
+    workspace.ensure_workspace()
+    mine = work / layout.source_for("00").name
+    mine.write_bytes(layout.source_for("00").read_bytes())  # the solved lesson
+    (work / ".progress.json").write_text('{"00": "x"}')
+    assert cli.main(["check", "00"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and "failed" not in out.replace("0 failed", "")
+    (kept,) = work.glob(".progress.json.broken-*")  # by the lesson's own progress_table() cell, or by the command
+    assert kept.read_text() == '{"00": "x"}'
+    statuses = {v["status"] for v in progress.load_records(work)["00"].values()}
+    assert statuses == {"passed"}

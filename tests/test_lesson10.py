@@ -817,3 +817,61 @@ def test_the_text_names_the_old_spellings_and_the_private_apis():
     assert "dynamic_axes" in text and "dynamic_shapes" in text
     assert "strict=True" in text and "strict=False" in text
     assert "private" in text and "torch._inductor.aoti_compile_and_package" in text
+
+
+# --- ONNX Runtime's telemetry: the course runs offline ---------------------------------------
+
+# What ONNX Runtime's POSIX telemetry reads besides its own switch (a CI machine counts as opted out):
+# cleared, so that the test proves the course's own switch, not the machine's.
+TELEMETRY_ENV = ("ORT_DISABLE_TELEMETRY", "ORT_RUNNING_UNIT_TESTS", "CI", "TF_BUILD", "GITHUB_ACTIONS", "GITLAB_CI",
+                 "CIRCLECI", "TRAVIS", "JENKINS_URL", "CODEBUILD_BUILD_ID", "BUILDKITE", "TEAMCITY_VERSION", "APPVEYOR",
+                 "BITBUCKET_BUILD_NUMBER")
+
+# Lesson 10's first cell, in its order, then the lesson's export and ONNX Runtime session, with every
+# Python-level name lookup and connection recorded.
+LESSON_START = '''
+import sys
+lookups = []
+sys.addaudithook(lambda event, args: lookups.append((event, repr(args)[:80]))
+                 if event in ("socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyname_ex", "socket.connect") else None)
+{load_ext}
+import onnxruntime
+from course_utils import lesson10
+import os, tempfile
+from pathlib import Path
+with tempfile.TemporaryDirectory() as folder:
+    worst = lesson10.export_onnx(lesson10._small_cnn(0), lesson10._images(0, 4), Path(folder) / "m.onnx")
+assert worst < 1e-4, worst
+print(os.environ.get("ORT_DISABLE_TELEMETRY"), lookups)
+'''
+
+
+def _start_lesson(tmp_path: Path, load_ext: str) -> tuple[str, list[Path]]:
+    """Run LESSON_START in a fresh Python with its own cache folder; return its last line and what ONNX Runtime cached there."""
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    cache.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k not in TELEMETRY_ENV}
+    env.update(XDG_CACHE_HOME=str(cache), HOME=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", LESSON_START.format(load_ext=load_ext)], capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()[-1], sorted((cache / "Microsoft").rglob("*")) if (cache / "Microsoft").exists() else []
+
+
+def test_onnx_runtime_telemetry_is_off_from_the_lessons_first_line(tmp_path):
+    """`%load_ext course_utils` (importing course_utils) before `import onnxruntime` keeps ORT's uploader from starting.
+
+    Its uploader looks mobile.events.data.microsoft.com up from C++ some seconds later, where no
+    Python audit hook sees it; what shows at once that it started is its device id and event cache
+    under $XDG_CACHE_HOME/Microsoft/DeveloperTools/.onnxruntime, so the control run proves the test can see it.
+    """
+    line, cached = _start_lesson(tmp_path / "lesson", "import course_utils  # what `%load_ext course_utils` imports")
+    assert cached == []
+    assert line == "1 []"  # the switch is set, and no Python code looked a name up or connected
+    _, control = _start_lesson(tmp_path / "control", "import onnxruntime  # ORT loads before course_utils")
+    assert any(p.name == "deviceid" for p in control), (
+        "ONNX Runtime no longer keeps its telemetry device id under XDG_CACHE_HOME: find what shows its uploader now")

@@ -17,6 +17,8 @@ def work(tmp_path, monkeypatch):
     folder.mkdir()
     monkeypatch.setenv("COURSE_WORK_DIR", str(folder))
     monkeypatch.setattr(progress, "_session", {})
+    monkeypatch.delenv("COURSE_CHECKER", raising=False)  # set by the course's plugin in this pytest process too
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
     return folder
 
 
@@ -57,6 +59,86 @@ def test_an_unreadable_record_counts_as_none(work, content):
     assert progress.load_records(work) == {}
     progress.save_verdicts(work, "03", [Verdict("a", "passed")])  # and is replaced on the next save
     assert progress.load_records(work)["03"]["a"]["status"] == "passed"
+
+
+MALFORMED = {
+    "a string for a lesson": '{"00": "x"}',
+    "a list": "[1, 2]",
+    "not JSON": "{not json",
+    "a string for an exercise": '{"00": {"draw": "passed"}}',
+    "an exercise without a status": '{"00": {"draw": {"reason": "x"}}}',
+    "not UTF-8": b"\xff\xfe{",
+    "empty": "",
+}
+
+
+def _write(path, content):
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+
+
+def _set_aside(work):
+    return sorted(p for p in work.iterdir() if p.name.startswith(".progress.json.broken-"))
+
+
+@pytest.mark.parametrize("content", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_record_is_set_aside_with_one_line(work, capsys, content):
+    _write(work / ".progress.json", content)
+    original = (work / ".progress.json").read_bytes()
+    assert progress.load_records(work) == {}
+    (kept,) = _set_aside(work)
+    assert kept.read_bytes() == original and not (work / ".progress.json").exists()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"{work / '.progress.json'} was ") and f"so it was set aside as {kept.name}; progress is recorded afresh" in err
+    progress.save_verdicts(work, "03", [Verdict("a", "passed")])
+    assert progress.load_records(work) == {"03": {"a": {"status": "passed", "reason": "", "time": progress.load_records(work)["03"]["a"]["time"]}}}
+
+
+@pytest.mark.parametrize("content", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_record_never_fails_a_check(work, monkeypatch, capsys, content):
+    """The symptom: a check in the work folder raised from record(), so a correct answer failed."""
+    import IPython
+    import IPython.display
+
+    from course_utils.tooling.checks import exercise
+
+    shown = []
+    monkeypatch.delenv("COURSE_CHECKER", raising=False)
+    monkeypatch.setattr(IPython, "get_ipython", lambda: type("Shell", (), {"kernel": 1})())
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append(obj))
+    monkeypatch.chdir(work)
+    _write(work / ".progress.json", content)
+
+    def passing(fn):
+        pass
+
+    passing.__module__ = "course_utils.lesson00"  # a lesson's check records its verdict
+    exercise("draw")(passing)(lambda: None)
+    assert [obj["text/plain"] for obj in shown] == ["PASS draw: all checks passed"]
+    assert progress.load_records(work)["00"]["draw"]["status"] == "passed"
+    assert len(_set_aside(work)) == 1
+
+
+@pytest.mark.parametrize("content", MALFORMED.values(), ids=MALFORMED.keys())
+def test_progress_command_survives_a_malformed_record(work, capsys, content):
+    from course_utils.tooling import cli, workspace
+
+    workspace.ensure_workspace()
+    _write(work / ".progress.json", content)
+    assert cli.main(["progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and "TOTAL" in out
+    assert err.count("\n") == 1 and "set aside as .progress.json.broken-" in err
+
+
+def test_two_malformed_records_in_one_second_are_both_kept(work):
+    for content in ('{"00": "x"}', "[1]"):
+        (work / ".progress.json").write_text(content)
+        progress.load_records(work)
+    assert sorted(p.read_text() for p in _set_aside(work)) == ['[1]', '{"00": "x"}']
 
 
 def _writer(folder: str, lesson: str, n: int) -> None:
@@ -138,3 +220,34 @@ def test_progress_table_names_missing_and_unreadable_notebooks(work):
     assert table.loc[sources[2].stem, "failing"] == "(notebook unreadable)"
     text = progress.format_progress(table)
     assert text.splitlines()[-2].startswith("problem: ") and text.splitlines()[-1].startswith("problem: ")
+
+
+@pytest.mark.parametrize("env, recorded", [
+    ({}, True),  # a plain kernel in the work folder
+    ({"JPY_SESSION_NAME": "/course/work/01_tensors.ipynb"}, True),  # JupyterLab, the lesson's own notebook
+    ({"JPY_SESSION_NAME": "/course/work/00_orientation.ipynb"}, False),  # lesson 01's checks in lesson 00's file
+    ({"JPY_SESSION_NAME": "/course/work/Untitled.ipynb"}, False),  # a scratch notebook
+    ({"COURSE_CHECKER": "1"}, False),  # the checker: `course_utils check` records once it knows the lesson
+])
+def test_only_the_lessons_own_notebook_records_into_the_work_folder(work, monkeypatch, env, recorded):
+    monkeypatch.chdir(work)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    progress.save_verdicts(work, "01", [Verdict("x", "passed")])
+    progress.record("01", Verdict("x", "failed", "from another notebook"))
+    assert progress._session["01"]["x"].status == "failed"  # this session's scoreboard has it either way
+    assert progress.load_records(work)["01"]["x"]["status"] == ("failed" if recorded else "passed")
+
+
+def test_a_notebook_holding_another_lesson_is_a_problem(work):
+    sources = layout.source_notebooks()
+    for source in sources:
+        (work / source.name).write_text(layout.learner_path(source).read_text())
+    wrong = work / sources[0].name
+    wrong.write_text(layout.learner_path(sources[1]).read_text())
+    held = sources[1].name[:2]
+    assert progress.notebook_problem(wrong).startswith(f"{wrong} holds lesson {held}, not {sources[0].name[:2]}: ")
+    assert progress.notebook_problem(work / sources[1].name) is None
+    table = progress.progress_table()
+    assert table.attrs["problems"] == [progress.notebook_problem(wrong)]
+    assert table.loc[sources[0].stem, "failing"] == "(holds another lesson)"

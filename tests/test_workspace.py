@@ -1,6 +1,8 @@
 """course_utils.tooling.workspace: the learner's own notebooks in work/, and the promise that none is ever lost."""
 
+import errno
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -86,7 +88,11 @@ def test_reset_is_atomic(work, monkeypatch):
     path = work / layout.source_for("01").name
     mine = learner_edit(path)
 
-    def disk_full(src, dst):
+    real_replace = os.replace
+
+    def disk_full(src, dst):  # the backup is made; the notebook's own write fails
+        if Path(dst).parent.name == "backups":
+            return real_replace(src, dst)
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(layout.os, "replace", disk_full)
@@ -102,9 +108,90 @@ def test_backup_refuses_to_leave_a_partial_copy(work, monkeypatch):
     path = work / layout.source_for("01").name
     mine = learner_edit(path)
     monkeypatch.setattr(shutil, "copy2", lambda src, dst: Path(dst).write_bytes(Path(src).read_bytes()[:10]))
-    with pytest.raises(OSError, match="incomplete"):
+    with pytest.raises(CourseError, match="incomplete"):
         workspace.reset("01")
     assert path.read_bytes() == mine
+    assert workspace.backups_of("01") == [] and not list((work / "backups").iterdir())
+
+
+def _disk_full_after(n: int):
+    """A copy that writes n bytes and then fails as a full disk does."""
+    def copy(src, dst):
+        Path(dst).write_bytes(Path(src).read_bytes()[:n])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return copy
+
+
+@pytest.mark.parametrize("command", ["reset", "restore"])
+def test_a_full_disk_during_the_backup_replaces_nothing_and_says_so(work, monkeypatch, command):
+    workspace.ensure_workspace()
+    path = work / layout.source_for("01").name
+    learner_edit(path, "# kept")
+    workspace.reset("01")
+    mine = learner_edit(path, "# mine now")
+    progress.save_verdicts(work, "01", [Verdict("x", "passed")])
+    before = sorted(p.name for p in (work / "backups").iterdir())
+    monkeypatch.setattr(shutil, "copy2", _disk_full_after(100))
+    with pytest.raises(CourseError) as info:
+        getattr(workspace, command)("01")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"could not back up {path}") and "the disk is full; nothing was replaced: free some disk space" in message
+    assert path.read_bytes() == mine
+    assert sorted(p.name for p in (work / "backups").iterdir()) == before  # no truncated backup, no temporary file
+    assert progress.load_records(work)["01"]["x"]["status"] == "passed"
+
+
+def test_a_full_disk_is_one_line_from_the_command_line(work, monkeypatch, capsys):
+    from course_utils.tooling import cli
+
+    workspace.ensure_workspace()
+    path = work / layout.source_for("02").name
+    mine = learner_edit(path)
+    monkeypatch.setattr(shutil, "copy2", _disk_full_after(0))
+    assert cli.main(["reset", "02"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: could not back up ") and "the disk is full" in err and err.count("\n") == 1
+    assert path.read_bytes() == mine
+
+
+def test_restore_refuses_a_truncated_backup_and_names_it(work):
+    workspace.ensure_workspace()
+    path = work / layout.source_for("03").name
+    learner_edit(path, "# old")
+    workspace.reset("03")
+    mine = learner_edit(path, "# current")
+    (broken,) = workspace.backups_of("03")
+    broken.write_bytes(broken.read_bytes()[:200])  # as an older version's full disk left it
+    with pytest.raises(CourseError) as info:
+        workspace.restore("03")
+    assert str(info.value).startswith(f"{broken} is not a readable notebook: its JSON breaks off at line ")
+    assert "it was not restored: pick another with `python -m course_utils restore 03 --list`" in str(info.value)
+    assert path.read_bytes() == mine
+    assert workspace.backups_of("03") == [broken]  # and the current file was not backed up for nothing
+
+
+@pytest.mark.parametrize("content", [b"", b"[]", b"\xff\xfe"])
+def test_restore_by_name_refuses_a_backup_that_is_no_notebook(work, content):
+    workspace.ensure_workspace()
+    path = work / layout.source_for("03").name
+    mine = path.read_bytes()
+    (work / "backups").mkdir()
+    bad = work / "backups" / f"{path.stem}.20260101-000000.ipynb"
+    bad.write_bytes(content)
+    with pytest.raises(CourseError, match=f"^{bad}"):
+        workspace.restore("03", bad.name)
+    assert path.read_bytes() == mine
+
+
+def test_reset_backs_up_a_broken_notebook_as_it_is(work):
+    """Reset is how a learner gets out of a broken notebook: its bytes are kept, though they are no notebook."""
+    workspace.ensure_workspace()
+    path = work / layout.source_for("04").name
+    path.write_bytes(path.read_bytes()[:300])
+    broken = path.read_bytes()
+    target, saved = workspace.reset("04")
+    assert saved.read_bytes() == broken and target.read_bytes() == fresh("04")
 
 
 def test_restore_brings_back_the_newest_backup_and_keeps_the_current_file(work):

@@ -24,6 +24,7 @@ import linecache
 import os
 import re
 import signal
+import sys
 import sysconfig
 import threading
 from pathlib import Path
@@ -144,25 +145,176 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-@contextlib.contextmanager
-def time_limit(seconds: float) -> Iterator[None]:
-    """Raise ExerciseTimeout in this thread after `seconds` (POSIX main thread only; elsewhere no limit here,
-    and the checker's per-cell limit still holds)."""
-    usable = seconds > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-    if not usable:
-        yield
-        return
+RETRY_SECONDS = 0.1  # how often a time limit that learner code swallowed is raised again
+NUDGE_SIGNAL = getattr(signal, "SIGUSR2", None)  # the watchdog's own signal, for code that replaced the SIGALRM handler
 
-    def expire(signum, frame):
+
+class time_limit:
+    """Raise ExerciseTimeout in this thread after `seconds`, and keep raising it until the check has ended.
+
+    Learner code may swallow the first raise (a bare `except:` in a retry loop) or replace the
+    SIGALRM handler, so the limit escalates. SIGALRM raises ExerciseTimeout at the limit and
+    traces the learner's frames, so that the next line of their code raises it again: when they
+    caught it, that line is their `except` clause, which cannot catch its own raise. The timer
+    fires again every RETRY_SECONDS and does the same. From the limit plus three retries, a
+    watchdog thread sends NUDGE_SIGNAL to this thread, whose handler puts the course's SIGALRM
+    handler back and does the same. When the check ends, the signal handlers, trace and profile
+    functions are those it started with. It also tells a real interrupt (SIGINT: Ctrl-C, the
+    kernel's Interrupt) from a KeyboardInterrupt raised by the learner's code (see `call`).
+
+    What no in-process limit can stop: a single call into compiled code that never returns to
+    Python (a C or C++ extension that loops or blocks while holding the interpreter, a huge torch
+    operation), since Python runs signal handlers only between bytecodes; code in threads the
+    learner started, which keeps running after the check ends; and code that replaces or blocks
+    the handlers of both SIGALRM and NUDGE_SIGNAL (SIGUSR2). Under the checker such a kernel is
+    interrupted and then stopped after the grace period; in JupyterLab only Kernel > Restart
+    ends it.
+
+    POSIX main thread only; elsewhere there is no limit here, and the checker's per-cell limit
+    still holds.
+    """
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.usable = seconds > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+        self.running = False
+        self.real_interrupt = False
+        self._previous: dict[int, Any] = {}
+        self._traced: list[tuple[Any, Any]] = []
+        self._previous_trace: Any = None
+        self._previous_profile: Any = None
+        self._tracing = False
+        self._watchdog: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def __enter__(self) -> "time_limit":
+        if not self.usable:
+            return self
+        self.running = True
+        self._install(signal.SIGALRM, self._expire)
+        self._install(signal.SIGINT, self._interrupted)
+        if NUDGE_SIGNAL is not None:
+            self._install(NUDGE_SIGNAL, self._nudged)
+        signal.setitimer(signal.ITIMER_REAL, self.seconds, RETRY_SECONDS)
+        self._start_watchdog()
+        _LIMITS.append(self)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if not self.usable:
+            return
+        self.running = False  # first: from here on a late signal or trace event raises nothing
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join()  # no nudge can arrive once our handler is gone
+        self._untrace()
+        for signum, handler in reversed(self._previous.items()):
+            signal.signal(signum, handler)
+        _LIMITS.remove(self)
+
+    def _install(self, signum: int, handler: Callable) -> None:
+        """Install a handler, keeping the one it replaces (a handler set outside Python cannot be restored, so it stays)."""
+        previous = signal.getsignal(signum)
+        if previous is None:
+            return
+        self._previous[signum] = previous
+        signal.signal(signum, handler)
+
+    def _expire(self, signum: int, frame: Any) -> None:
+        if self._stopping(frame):
+            return
+        if signal.getitimer(signal.ITIMER_REAL)[1] == 0:  # the learner's code set the timer: ours again
+            signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS, RETRY_SECONDS)
+        self._trace_learner_frames(frame)
         raise ExerciseTimeout()
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    def _nudged(self, signum: int, frame: Any) -> None:
+        """The watchdog's signal: the limit is past and the check still runs, so SIGALRM's handler is no longer ours."""
+        if self._stopping(frame):
+            return
+        signal.signal(signal.SIGALRM, self._expire)
+        signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS, RETRY_SECONDS)
+        self._trace_learner_frames(frame)
+        raise ExerciseTimeout()
+
+    def _interrupted(self, signum: int, frame: Any) -> None:
+        """A real SIGINT: remember it, then do what the handler we replaced does (raise KeyboardInterrupt)."""
+        self.real_interrupt = True
+        previous = self._previous.get(signal.SIGINT)
+        if previous == signal.SIG_IGN:
+            return
+        if callable(previous):
+            previous(signum, frame)
+            return
+        raise KeyboardInterrupt
+
+    def _stopping(self, frame: Any) -> bool:
+        """True once the check has ended, or while it ends (in __exit__, before `running` is cleared)."""
+        return not self.running or (frame is not None and frame.f_code is time_limit.__exit__.__code__)
+
+    def _start_watchdog(self) -> None:
+        if NUDGE_SIGNAL not in self._previous:
+            return
+        main = threading.main_thread().ident
+        self._watchdog = threading.Thread(target=self._watch, args=(main,), name="course-time-limit", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self, main: int) -> None:
+        """From the limit plus three retries until the check ends, nudge the main thread every RETRY_SECONDS."""
+        if self._stop.wait(self.seconds + 3 * RETRY_SECONDS):
+            return
+        while not self._stop.is_set():
+            signal.pthread_kill(main, NUDGE_SIGNAL)
+            self._stop.wait(RETRY_SECONDS)
+
+    def _trace_learner_frames(self, frame: Any) -> None:
+        """Make every line of the learner's code that runs from now on raise ExerciseTimeout, until the check ends."""
+        if not self._tracing:
+            self._previous_trace, self._previous_profile, self._tracing = sys.gettrace(), sys.getprofile(), True
+        known = {id(f) for f, _ in self._traced}
+        while frame is not None:
+            if id(frame) not in known:
+                self._traced.append((frame, frame.f_trace))
+            frame.f_trace = self._trace
+            frame = frame.f_back
+        sys.settrace(self._trace)
+        sys.setprofile(self._retrace)
+
+    def _trace(self, frame: Any, event: str, arg: Any) -> Callable | None:
+        if self.running and event == "line" and is_learner_file(frame.f_code.co_filename):
+            raise ExerciseTimeout()
+        return self._trace
+
+    def _retrace(self, frame: Any, event: str, arg: Any) -> None:
+        """Python drops a trace function that raised; this profile function, which never raises, sets it again.
+
+        So when ExerciseTimeout leaves a learner function whose caller swallows it too, the
+        caller's next line raises it again at once.
+        """
+        if self.running and sys.gettrace() is None:
+            sys.settrace(self._trace)
+
+    def _untrace(self) -> None:
+        if self._tracing:
+            sys.setprofile(self._previous_profile)
+            sys.settrace(self._previous_trace)
+        for frame, previous in self._traced:
+            frame.f_trace = previous
+        self._traced.clear()
+
+
+_LIMITS: list[time_limit] = []  # the limits of the checks now running, innermost last
+
+
+def learner_interrupt() -> bool:
+    """True for a KeyboardInterrupt that the learner's code raised, False for a real one (Ctrl-C, the kernel's Interrupt).
+
+    A real interrupt arrives as SIGINT, which the running check's time_limit sees; without a
+    check watching for it (another thread, no signals) every KeyboardInterrupt counts as real.
+    """
+    watching = [limit for limit in _LIMITS if limit.usable]
+    return bool(watching) and not watching[-1].real_interrupt
 
 
 def not_attempted_message(name: str) -> str:
@@ -265,13 +417,26 @@ def call(
     expect_callable(fn, kind)
     try:
         return fn(*args)
+    except KeyboardInterrupt as err:
+        # Only a KeyboardInterrupt that the learner's code raised becomes a verdict. A real one
+        # (Ctrl-C, JupyterLab's Interrupt, the checker stopping a kernel) must still stop the
+        # cell. Where it was raised cannot tell them apart, since a real one lands in whatever
+        # runs, usually the learner's loop; its SIGINT can, and the check's time_limit notes it.
+        if not learner_interrupt():
+            raise
+        advice = " (KeyboardInterrupt is what Ctrl-C raises: return a value, or raise an ordinary exception)"
+        raise ExerciseFailed(f"{_described(fn, args, name, shown)} raised KeyboardInterrupt: {first_line(err)}{advice}") from None
     except Exception as err:  # noqa: BLE001 -- the learner's error, reported as theirs
         if stub_function(err):
             raise
-        label = name or getattr(fn, "__name__", None) or f"your {type(fn).__name__}"
-        described = f"{label}({_describe_args(args) if shown is None else shown})"
         advice = error_hint(err, {**ERROR_HINTS, **(hints or {})})
-        raise ExerciseFailed(f"{described} raised {type(err).__name__}: {first_line(err)}{advice}") from None
+        raise ExerciseFailed(f"{_described(fn, args, name, shown)} raised {type(err).__name__}: {first_line(err)}{advice}") from None
+
+
+def _described(fn: Any, args: Sequence[Any], name: str | None, shown: str | None) -> str:
+    """'double(tensor of shape (2,))': the learner's function and its arguments, as call()'s one-line failures name them."""
+    label = name or getattr(fn, "__name__", None) or f"your {type(fn).__name__}"
+    return f"{label}({_describe_args(args) if shown is None else shown})"
 
 
 def expect_callable(fn: Any, kind: str = "function") -> None:

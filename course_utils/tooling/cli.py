@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from course_utils.tooling.layout import (
-    CourseError, read_notebook_json, shown, source_for, work_dir, work_path,
+    CourseError, lesson_number, read_notebook_json, shown, source_for, work_dir, work_path,
 )
 
 
@@ -28,14 +28,21 @@ def find_notebook(lesson: str, solutions: bool = False) -> Path:
     return mine
 
 
-def check(notebook: Path) -> int:
-    """Run the checker over one notebook, print its scoreboard, and record the verdicts when it is the learner's own."""
+def check(notebook: Path, lesson: str | None = None) -> int:
+    """Run the checker over one notebook, print its scoreboard, and record the verdicts when it is the learner's own.
+
+    lesson: the lesson the learner asked for (`check 00`); a notebook that holds another one is
+    refused in one line, before a kernel starts, and nothing is recorded.
+    """
     from course_utils.tooling.verdicts import Verdict
-    from course_utils.tooling.progress import save_verdicts
+    from course_utils.tooling.progress import other_lesson, save_verdicts, wrong_lesson_message
     from course_utils.tooling.pytest_plugin import scoreboard_lines
     from course_utils.tooling.runner import run_checker
 
-    read_notebook_json(notebook)  # a missing, empty or truncated file is named before a kernel starts
+    nb = read_notebook_json(notebook)  # a missing, empty or truncated file is named before a kernel starts
+    held = other_lesson(notebook, nb)
+    if held and lesson:
+        raise CourseError(wrong_lesson_message(notebook, held))
     results = run_checker([notebook])
     result = next(iter(results.values()), None)
     if not result or (not result["exercises"] and not result["stopped_at"]):
@@ -44,10 +51,13 @@ def check(notebook: Path) -> int:
     if result["stopped_at"]:
         print(f"\nThe checker stopped at {result['stopped_at'].split(':')[0]}, so the cells after it did not run.")
         print(f"Open {shown(notebook)} and run it top to bottom to see the full error.")
-    lesson = result.get("lesson")
-    if lesson and notebook.resolve().parent == work_dir().resolve():
-        verdicts = [Verdict(name, v["status"], v["reason"]) for name, v in result["exercises"].items()]
-        save_verdicts(work_dir(), lesson, verdicts, replace=True)
+    judged = result.get("lesson")
+    if judged and notebook.resolve().parent == work_dir().resolve():
+        if held:  # a path given by hand: judged as what it holds, recorded as neither lesson
+            print(f"\nNot recorded: {wrong_lesson_message(notebook, held)}")
+        else:
+            verdicts = [Verdict(name, v["status"], v["reason"]) for name, v in result["exercises"].items()]
+            save_verdicts(work_dir(), judged, verdicts, replace=True)
     statuses = [v["status"] for v in result["exercises"].values()]
     return 0 if statuses and all(s == "passed" for s in statuses) and not result["stopped_at"] else 1
 
@@ -152,7 +162,8 @@ def _run(args: argparse.Namespace) -> int:
 
         return lab(args.jupyter_args)
     if args.command == "check":
-        return check(find_notebook(args.lesson, solutions=args.solutions))
+        asked = None if Path(args.lesson).suffix == ".ipynb" else lesson_number(args.lesson)
+        return check(find_notebook(args.lesson, solutions=args.solutions), asked)
     if args.command == "progress":
         return progress(args.recheck)
     if args.command == "workspace":

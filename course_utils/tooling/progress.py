@@ -4,16 +4,25 @@ A check records its verdict in this kernel's session and, when the notebook runs
 learner's work folder, in work/.progress.json. So the progress table is current the moment a
 check cell ran, saved or not, and costs no kernel to show. `course_utils progress --recheck`
 re-runs the checker over every lesson for an exact answer.
+
+A lesson's record holds only the verdicts of that lesson's own file, work/NN_topic.ipynb: a
+kernel of another notebook (a copy, or lesson 01 saved as 00_orientation.ipynb) keeps its
+verdicts for its session, and under the checker the command line records them once it has
+seen which lesson the notebook holds.
 """
 
 import contextlib
 import json
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
 from course_utils.tooling.verdicts import SYMBOL, Verdict, checker_running, verdict_html
-from course_utils.tooling.layout import CourseError, exercises, read_notebook_json, source_notebooks, work_dir, write_atomic
+from course_utils.tooling.layout import (
+    CourseError, exercises, lesson_of, lesson_of_path, read_notebook_json, shown, source_notebooks, work_dir, write_atomic,
+)
 
 PROGRESS_FILE = ".progress.json"
 NOT_CHECKED = "not checked yet: run its check cell"
@@ -24,9 +33,17 @@ _session: dict[str, dict[str, Verdict]] = {}
 def record(lesson: str, verdict: Verdict) -> None:
     """Keep a check's verdict for this session's scoreboard and, in the work folder, for the progress table."""
     _session.setdefault(lesson, {})[verdict.exercise] = verdict
-    if _in_work_dir():
+    if _in_work_dir() and _kernel_may_record(lesson):
         with contextlib.suppress(OSError):  # a read-only folder must not break a check
             save_verdicts(work_dir(), lesson, [verdict])
+
+
+def _kernel_may_record(lesson: str) -> bool:
+    """Whether this kernel's verdicts of `lesson` belong in the work folder's record."""
+    if os.environ.get("COURSE_CHECKER") == "1":
+        return False  # `course_utils check` records them itself, and only for a notebook that holds its own lesson
+    notebook = os.environ.get("JPY_SESSION_NAME")  # the notebook jupyter_server started this kernel for
+    return notebook is None or lesson_of_path(Path(notebook)) == lesson
 
 
 def _in_work_dir() -> bool:
@@ -41,12 +58,59 @@ def progress_file(folder: Path) -> Path:
 
 
 def load_records(folder: Path) -> dict[str, dict[str, dict]]:
-    """{lesson: {exercise: {"status", "reason", "time"}}}; empty when there is no readable record."""
+    """{lesson: {exercise: {"status", "reason", "time"}}}; empty when there is no record.
+
+    A file that is not such a record (not JSON, a list, {"00": "x"}, ...) is set aside with a
+    one-line message and counts as none, so that it never breaks a check or the progress table.
+    """
+    path = progress_file(folder)
     try:
-        records = json.loads(progress_file(folder).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = path.read_bytes()
+    except OSError:  # none yet, or unreadable: nothing to show, and nothing to set aside
         return {}
-    return records if isinstance(records, dict) else {}
+    records, problem = parse_records(data)
+    if problem:
+        set_aside(path, problem)
+        return {}
+    return records
+
+
+def parse_records(data: bytes) -> tuple[dict, str | None]:
+    """(the records, None), or ({}, what is wrong with them)."""
+    try:
+        records = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return {}, "empty" if not data.strip() else "not JSON"
+    if not _well_formed(records):
+        return {}, 'not of the form {lesson: {exercise: {"status": ...}}}'
+    return records, None
+
+
+def _well_formed(records: object) -> bool:
+    return isinstance(records, dict) and all(
+        isinstance(lesson, str) and isinstance(entries, dict) and all(
+            isinstance(entry, dict) and isinstance(entry.get("status"), str) for entry in entries.values())
+        for lesson, entries in records.items())
+
+
+def set_aside(path: Path, problem: str) -> Path | None:
+    """Rename a malformed progress file to .progress.json.broken-<time> and say so in one line; return the new name."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    kept = path.with_name(f"{path.name}.broken-{stamp}")
+    n = 1
+    while kept.exists():
+        kept = path.with_name(f"{path.name}.broken-{stamp}-{n}")
+        n += 1
+    try:
+        path.rename(kept)
+    except FileNotFoundError:  # another kernel set it aside first
+        return None
+    except OSError as err:
+        print(f"{shown(path)} is {problem} and could not be set aside ({err.strerror}): delete it", file=sys.stderr)
+        return None
+    print(f"{shown(path)} was {problem}, so it was set aside as {kept.name}; progress is recorded afresh "
+          "(`python -m course_utils progress --recheck` rebuilds it)", file=sys.stderr)
+    return kept
 
 
 @contextlib.contextmanager
@@ -131,12 +195,39 @@ def show_scoreboard(lesson: str) -> None:
 
 
 def notebook_problem(path: Path) -> str | None:
-    """Why a learner's notebook cannot be checked (missing, empty, truncated, not a notebook), or None."""
+    """Why a learner's notebook cannot be checked (missing, empty, truncated, not a notebook, another lesson), or None."""
+    return unreadable_problem(path) or wrong_lesson_problem(path)
+
+
+def unreadable_problem(path: Path) -> str | None:
+    """Why a notebook cannot be read (missing, empty, truncated, not a notebook), or None."""
     try:
         read_notebook_json(path)
     except CourseError as err:
         return str(err)
     return None
+
+
+def other_lesson(path: Path, nb: dict) -> str | None:
+    """The lesson a notebook holds when its file name names another ('01' for lesson 01 saved as 00_orientation.ipynb)."""
+    named, held = lesson_of_path(path), lesson_of(nb, path)
+    return held if named and held and held != named else None
+
+
+def wrong_lesson_message(path: Path, held: str) -> str:
+    """One line: the notebook holds another lesson than its name says, so it is neither checked nor recorded as its name's."""
+    named = lesson_of_path(path)
+    return (f"{shown(path)} holds lesson {held}, not {named}: it is not checked as lesson {named} and nothing is recorded "
+            f"for it; rename it, or `python -m course_utils reset {named}` for a fresh lesson {named} (yours is kept as a backup)")
+
+
+def wrong_lesson_problem(path: Path) -> str | None:
+    """wrong_lesson_message for a readable notebook that holds another lesson than its name says, else None."""
+    try:
+        held = other_lesson(path, read_notebook_json(path))
+    except CourseError:
+        return None
+    return wrong_lesson_message(path, held) if held else None
 
 
 def progress_rows(folder: Path | None = None) -> tuple[list[dict], list[str]]:
@@ -146,7 +237,8 @@ def progress_rows(folder: Path | None = None) -> tuple[list[dict], list[str]]:
     rows, problems = [], []
     for source in source_notebooks():
         lesson = source.name[:2]
-        problem = notebook_problem(folder / source.name)
+        unreadable = unreadable_problem(folder / source.name)
+        problem = unreadable or wrong_lesson_problem(folder / source.name)
         if problem:
             problems.append(problem)
         names = exercise_names(lesson)
@@ -159,9 +251,15 @@ def progress_rows(folder: Path | None = None) -> tuple[list[dict], list[str]]:
             "failed": counts["failed"],
             "not checked": counts["not run"],
             "total": len(names),
-            "failing": ", ".join(n for n, s in statuses.items() if s == "failed") or ("(notebook unreadable)" if problem else ""),
+            "failing": ", ".join(n for n, s in statuses.items() if s == "failed") or _problem_label(unreadable, problem),
         })
     return rows, problems
+
+
+def _problem_label(unreadable: str | None, problem: str | None) -> str:
+    if unreadable:
+        return "(notebook unreadable)"
+    return "(holds another lesson)" if problem else ""
 
 
 def progress_table(folder: Path | None = None):

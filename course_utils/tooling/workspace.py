@@ -4,16 +4,21 @@ git ignores work/, and no build writes there, so a learner's edits never conflic
 course update (`git pull`) and never fail `make test`. The only commands that replace a
 learner's notebook are `reset` and `restore`, and both first keep the current file in
 work/backups/, then write the new one atomically (a temporary file, then a rename), so a
-failure half-way leaves the old file whole.
+failure half-way leaves the old file whole. A backup only takes its name once it has been
+read back equal to the file it keeps, so a full disk never leaves a truncated backup for a
+later `restore` to bring back; and `restore` refuses a backup that is not a readable notebook.
 """
 
+import errno
+import os
 import re
 import shutil
 import time
 from pathlib import Path
 
 from course_utils.tooling.layout import (
-    CourseError, backups_dir, learner_path, source_for, source_notebooks, work_dir, work_path, write_atomic,
+    CourseError, backups_dir, learner_path, read_notebook_json, shown, source_for, source_notebooks, work_dir, work_path,
+    write_atomic,
 )
 from course_utils.tooling.progress import forget
 
@@ -30,19 +35,73 @@ def ensure_workspace() -> list[Path]:
 
 
 def backup(path: Path) -> Path:
-    """Copy a learner's notebook to work/backups/NN_topic.YYYYmmdd-HHMMSS.ipynb (never replacing a backup)."""
+    """Copy a learner's notebook to work/backups/NN_topic.YYYYmmdd-HHMMSS.ipynb (never replacing a backup).
+
+    The copy is written under a temporary name and renamed only once it reads back byte for
+    byte as the original; otherwise nothing is left behind and a one-line CourseError says why.
+    """
     folder = backups_dir()
     folder.mkdir(parents=True, exist_ok=True)
+    target = _free_backup_name(folder, path)
+    original = path.read_bytes()
+    tmp = folder / f".{target.name}.tmp"  # a dot name, never listed by backups_of
+    try:
+        shutil.copy2(path, tmp)
+        _sync(tmp)
+        _verify_backup(tmp, original, path)
+        os.replace(tmp, target)
+    except OSError as err:
+        raise CourseError(_backup_failed(path, err)) from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def _free_backup_name(folder: Path, path: Path) -> Path:
+    """NN_topic.YYYYmmdd-HHMMSS.ipynb, or -1, -2, ... when a backup of that second exists."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     target = folder / f"{path.stem}.{stamp}{path.suffix}"
     n = 1
     while target.exists():
         target = folder / f"{path.stem}.{stamp}-{n}{path.suffix}"
         n += 1
-    shutil.copy2(path, target)
-    if target.read_bytes() != path.read_bytes():
-        raise OSError(f"the backup {target} is incomplete, so {path} was left untouched")
     return target
+
+
+def _sync(path: Path) -> None:
+    """Flush a file to the disk, so that a full disk shows up now, not after the rename."""
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+class IncompleteBackup(OSError):
+    """A backup that does not read back as the file it keeps."""
+
+
+def _verify_backup(copy: Path, original: bytes, path: Path) -> None:
+    """Raise IncompleteBackup unless the copy is byte-equal to the original and, when that is a notebook, parses as one."""
+    # A broken notebook is kept as it is: reset is how a learner gets out of one.
+    if copy.read_bytes() != original or (_is_notebook(path) and not _is_notebook(copy)):
+        raise IncompleteBackup(f"the copy of {shown(path)} is incomplete")
+
+
+def _is_notebook(path: Path) -> bool:
+    try:
+        read_notebook_json(path)
+    except CourseError:
+        return False
+    return True
+
+
+def _backup_failed(path: Path, err: OSError) -> str:
+    """One line: why the backup of path failed, that nothing was replaced, and what to do."""
+    if err.errno == errno.ENOSPC:
+        why, fix = "the disk is full", "free some disk space"
+    elif isinstance(err, IncompleteBackup):
+        why, fix = "the copy read back incomplete", "check that the disk has space"
+    else:
+        why, fix = f"{err.strerror or err}", "check that the folder is writable and the disk has space"
+    return f"could not back up {shown(path)} to {shown(backups_dir())}: {why}; nothing was replaced: {fix}, then run the command again"
 
 
 def reset(lesson: str) -> tuple[Path, Path | None]:
@@ -85,8 +144,19 @@ def restore(lesson: str, name: str | None = None) -> tuple[Path, Path, Path | No
             listing = ", ".join(b.name for b in backups)
             raise CourseError(f"no backup named {name!r}; the backups of this lesson are: {listing}")
         chosen = matches[0]
+    _refuse_unreadable(chosen, lesson)
     target = work_path(source_for(lesson))
     saved = backup(target) if target.exists() else None
     write_atomic(target, chosen.read_text(encoding="utf-8"))
     forget(work_dir(), source_for(lesson).name[:2])
     return target, chosen, saved
+
+
+
+def _refuse_unreadable(chosen: Path, lesson: str) -> None:
+    """A CourseError naming a backup that is not a readable notebook (a truncated copy must never replace a notebook)."""
+    try:
+        read_notebook_json(chosen)
+    except CourseError as err:
+        raise CourseError(f"{err}; it was not restored: pick another with "
+                          f"`python -m course_utils restore {source_for(lesson).name[:2]} --list`") from None
