@@ -5,6 +5,7 @@ import errno
 import hashlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -451,3 +452,79 @@ def test_the_heaviest_lesson_passes_under_the_default_limits(workdir):
 def test_no_bwrap_elsewhere(monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")
     assert bwrap_path() is None
+
+
+# ---------------------------------------------------------------- why no sandbox can be made here
+
+def test_problem_is_none_where_bwrap_works():
+    assert sandbox.problem() is None
+
+
+def fake_bwrap(folder: Path, said: str) -> Path:
+    """A bwrap on PATH that says `said` on stderr and exits 1, and logs each command line it gets."""
+    program = folder / "bwrap"
+    program.write_text(f'#!/bin/sh\necho "$*" >> "{folder}/calls"\necho "{said}" >&2\nexit 1\n')
+    program.chmod(0o755)
+    return program
+
+
+@pytest.mark.parametrize(("settings", "hint"), [
+    ({"kernel.apparmor_restrict_unprivileged_userns": "1"}, "(kernel.apparmor_restrict_unprivileged_userns=1, Ubuntu 24.04+)"),
+    ({"user.max_user_namespaces": "0"}, "user namespaces are switched off (user.max_user_namespaces=0)"),
+    ({}, "an AppArmor profile for bwrap"),
+])
+def test_problem_says_bwraps_own_error_and_a_hint(tmp_path, monkeypatch, settings, hint):
+    said = "bwrap: setting up uid map: Permission denied"
+    program = fake_bwrap(tmp_path, said)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(sandbox, "_as_root", lambda: False)
+    monkeypatch.setattr(sandbox, "_sysctl", settings.get)
+    assert bwrap_path() == str(program)
+    reason = sandbox.problem()
+    assert reason is not None and "\n" not in reason
+    assert said in reason and hint in reason and "run the grader as root" in reason
+    with pytest.raises(RuntimeError, match="setting up uid map"):
+        command(["true"], workdir=tmp_path, env={})
+    probes = [call for call in (tmp_path / "calls").read_text().splitlines() if call.endswith("-- true")]
+    assert len(probes) == 1, "bwrap is tried once, then its answer is kept"
+    assert not (tmp_path / "home").exists(), "nothing is made for a sandbox that cannot be"
+
+
+def test_problem_reports_a_real_refusal():
+    """bwrap run in a user namespace that maps no uid cannot make its own: a refusal from the real bwrap."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-U", "true"]).returncode != 0:
+        pytest.skip("unshare -U is not available here to make a user namespace bwrap cannot work in")
+    code = "from course_utils.tooling import sandbox; print(sandbox.problem())"
+    out = subprocess.run(["unshare", "-U", sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, **COURSE_ENV}, check=True).stdout.strip()
+    assert out.startswith("bwrap cannot make a sandbox on this machine (bwrap: "), out
+    assert "run the grader as root" in out and len(out.splitlines()) == 1
+
+
+# ---------------------------------------------------------------- graded by a user, not root
+
+def option_pairs(line: list[str]) -> set[tuple[str, str]]:
+    return set(zip(line, line[1:]))
+
+
+def test_a_users_line_has_no_setpriv_and_a_user_namespace(monkeypatch, workdir):
+    owner = workdir.stat().st_uid
+    monkeypatch.setattr(sandbox, "_as_root", lambda: False)
+    line = command(["true"], workdir=workdir, env={})
+    assert "setpriv" not in line and "--cap-add" not in line
+    assert "--unshare-user" in line and ("--cap-drop", "ALL") in option_pairs(line)
+    has_option = "--disable-userns" in subprocess.run([line[0], "--help"], capture_output=True, text=True).stdout
+    assert ("--disable-userns" in line) == has_option
+    assert line[line.index("--", line.index("--chdir")) + 1:] == ["true"]
+    assert (workdir.stat().st_uid, (workdir / "home").stat().st_uid) == (owner, os.getuid()), "nothing is chowned"
+    assert ("--setenv", "USER") in option_pairs(line)
+    assert line[line.index("USER") + 1] == pwd.getpwuid(os.getuid()).pw_name
+
+
+def test_roots_line_drops_to_nobody(monkeypatch, workdir):
+    if os.getuid() != 0:
+        pytest.skip("only root can give the workdir to nobody")
+    line = command(["true"], workdir=workdir, env={})
+    assert line[line.index("--", line.index("--chdir")) + 1] == "setpriv" and "--unshare-user" not in line
+    assert {("--cap-add", c) for c in ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")} <= option_pairs(line)
+    assert workdir.stat().st_uid == sandbox._sandbox_ids()[0]
