@@ -228,9 +228,10 @@ def _root_capabilities() -> list[str]:
     # Only for setpriv to switch to nobody (and empty the bounding set); nobody keeps none.
     # No --unshare-user (so no --disable-userns, which needs it) for root's bwrap: the sandbox's uid
     # would map to root outside (uid_map "65534 0 1" with --uid 65534; setpriv cannot switch to an
-    # unmapped nobody), and the kernel never holds root to RLIMIT_NPROC (tested). So nobody can still
-    # make a user namespace there (`unshare -U` works, tested), in which the sandbox's mounts are
-    # locked and nobody's files stay nobody's; only a seccomp filter (bwrap --seccomp) could forbid it.
+    # unmapped nobody: tested), and the kernel never holds root to RLIMIT_NPROC (see above). So
+    # nobody can still make a user namespace there (`unshare -U` works: tested), in which the
+    # sandbox's mounts are locked and nobody's files stay nobody's; only a seccomp filter (bwrap
+    # --seccomp) could forbid it.
     return ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
 
 
