@@ -5,6 +5,7 @@ import errno
 import hashlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -451,3 +452,294 @@ def test_the_heaviest_lesson_passes_under_the_default_limits(workdir):
 def test_no_bwrap_elsewhere(monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")
     assert bwrap_path() is None
+
+
+# ---------------------------------------------------------------- why no sandbox can be made here
+
+def test_problem_is_none_where_bwrap_works():
+    assert sandbox.problem() is None
+
+
+def fake_bwrap(folder: Path, said: str) -> Path:
+    """A bwrap on PATH that says `said` on stderr and exits 1, and logs each command line it gets."""
+    program = folder / "bwrap"
+    program.write_text(f'#!/bin/sh\necho "$*" >> "{folder}/calls"\necho "{said}" >&2\nexit 1\n')
+    program.chmod(0o755)
+    return program
+
+
+@pytest.mark.parametrize(("settings", "hint"), [
+    ({"kernel.apparmor_restrict_unprivileged_userns": "1"}, "(kernel.apparmor_restrict_unprivileged_userns=1, Ubuntu 24.04+)"),
+    ({"user.max_user_namespaces": "0"}, "user namespaces are switched off (user.max_user_namespaces=0)"),
+    ({}, "an AppArmor profile for bwrap"),
+])
+def test_problem_says_bwraps_own_error_and_a_hint(tmp_path, monkeypatch, settings, hint):
+    said = "bwrap: setting up uid map: Permission denied"
+    program = fake_bwrap(tmp_path, said)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(sandbox, "_as_root", lambda: False)
+    monkeypatch.setattr(sandbox, "_sysctl", settings.get)
+    assert bwrap_path() == str(program)
+    reason = sandbox.problem()
+    assert reason is not None and "\n" not in reason
+    assert said in reason and hint in reason and "run the grader as root" in reason
+    with pytest.raises(RuntimeError, match="setting up uid map"):
+        command(["true"], workdir=tmp_path, env={})
+    probes = [call for call in (tmp_path / "calls").read_text().splitlines() if call.endswith("-- true")]
+    assert len(probes) == 1, "bwrap is tried once, then its answer is kept"
+    assert not (tmp_path / "home").exists(), "nothing is made for a sandbox that cannot be"
+
+
+def test_problem_reports_a_real_refusal():
+    """bwrap run in a user namespace that maps no uid cannot make its own: a refusal from the real bwrap."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-U", "true"]).returncode != 0:
+        pytest.skip("unshare -U is not available here to make a user namespace bwrap cannot work in")
+    code = "from course_utils.tooling import sandbox; print(sandbox.problem())"
+    out = subprocess.run(["unshare", "-U", sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, **COURSE_ENV}, check=True).stdout.strip()
+    assert out.startswith("bwrap cannot make a sandbox on this machine (bwrap: "), out
+    assert "run the grader as root" in out and len(out.splitlines()) == 1
+
+
+# ---------------------------------------------------------------- graded by a user, not root
+
+def option_pairs(line: list[str]) -> set[tuple[str, str]]:
+    return set(zip(line, line[1:]))
+
+
+def test_a_users_line_has_no_setpriv_and_a_user_namespace(monkeypatch, workdir):
+    owner = workdir.stat().st_uid
+    monkeypatch.setattr(sandbox, "_as_root", lambda: False)
+    line = command(["true"], workdir=workdir, env={})
+    assert "setpriv" not in line and "--cap-add" not in line
+    assert "--unshare-user" in line and ("--cap-drop", "ALL") in option_pairs(line)
+    has_option = "--disable-userns" in subprocess.run([line[0], "--help"], capture_output=True, text=True).stdout
+    assert ("--disable-userns" in line) == has_option
+    assert line[line.index("--", line.index("--chdir")) + 1:] == ["true"]
+    assert (workdir.stat().st_uid, (workdir / "home").stat().st_uid) == (owner, os.getuid()), "nothing is chowned"
+    assert ("--setenv", "USER") in option_pairs(line)
+    assert line[line.index("USER") + 1] == pwd.getpwuid(os.getuid()).pw_name
+
+
+def test_roots_line_drops_to_nobody(monkeypatch, workdir):
+    if os.getuid() != 0:
+        pytest.skip("only root can give the workdir to nobody")
+    line = command(["true"], workdir=workdir, env={})
+    assert line[line.index("--", line.index("--chdir")) + 1] == "setpriv" and "--unshare-user" not in line
+    assert {("--cap-add", c) for c in ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")} <= option_pairs(line)
+    assert workdir.stat().st_uid == sandbox._sandbox_ids()[0]
+
+
+# ---------------------------------------------------------------- a user's sandbox, for real
+
+# The venv's Python lies under /root (0700): another user runs the system's. sandbox.py needs only the standard library.
+SYSTEM_PYTHON = "/usr/bin/python3"
+ADMIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# The grader, as a user runs it: argv in the sandbox, limits set before bwrap (or not at all); a JSON report.
+USER_GRADER = """
+import json, subprocess, sys
+from pathlib import Path
+from course_utils.tooling import sandbox
+spec = json.loads(sys.argv[1])
+line = sandbox.command(spec["argv"], workdir=Path(spec["workdir"]), env=spec["env"])
+limits = sandbox.Limits(processes=spec["processes"] or 512)
+before = (lambda: sandbox.apply_limits(limits)) if spec["processes"] else None
+result = subprocess.run(line, preexec_fn=before, capture_output=True, text=True, timeout=120)
+print(json.dumps({"line": line, "returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}))
+"""
+
+
+def system_python_problem() -> str | None:
+    """Why the system's Python cannot run sandbox.py as another user, or None."""
+    if not Path(SYSTEM_PYTHON).exists():
+        return f"{SYSTEM_PYTHON} is not installed"
+    version = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info >= (3, 10))"],
+                             capture_output=True, text=True).stdout.strip()
+    if version != "True":
+        return f"{SYSTEM_PYTHON} is older than 3.10, which sandbox.py needs"
+    closed = [p for p in root().parents if not p.stat().st_mode & 0o001]
+    return f"{closed[0]} is closed to other users, so they cannot import the course" if closed else None
+
+
+def processes_of(uid: int) -> list[int]:
+    """Pids of the processes whose real uid is uid."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if int((entry / "status").read_text().split("\nUid:\t", 1)[1].split()[0]) == uid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def grader_user():
+    """A throwaway ordinary user to grade as (useradd, then userdel with its processes killed); its passwd entry."""
+    if os.getuid() != 0:
+        pytest.skip("grading as another user needs root to switch to it (and to make it): run as root to test a user's sandbox")
+    missing = [tool for tool in ("useradd", "userdel", "setpriv") if shutil.which(tool, path=ADMIN_PATH) is None]
+    if missing or system_python_problem():
+        pytest.skip(f"cannot grade as another user here: {', '.join(missing) + ' missing' if missing else system_python_problem()}")
+    name = f"csbx{uuid.uuid4().hex[:10]}"
+    made = subprocess.run([shutil.which("useradd", path=ADMIN_PATH), "--system", "--user-group", "--no-create-home",
+                           "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"useradd could not make a user to grade as: {made.stderr.strip()}")
+    user = pwd.getpwnam(name)
+    try:
+        yield user
+    finally:
+        for _ in range(50):  # a fork-hopper changes pid: kill until none is left
+            pids = processes_of(user.pw_uid)
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+        subprocess.run([shutil.which("userdel", path=ADMIN_PATH), name], check=True)
+
+
+def as_user(user, argv: list[str]) -> list[str]:
+    return ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--init-groups", *argv]
+
+
+@pytest.fixture
+def user_workdir(grader_user, workdir):
+    """A submission's folder as a user's grader makes it: mkdtemp (0700), the user's own."""
+    os.chown(workdir, grader_user.pw_uid, grader_user.pw_gid)
+    return workdir
+
+
+def grade_as(user, argv: list[str], workdir: Path, *, processes: int | None = None, env: dict | None = None) -> dict:
+    """argv in a sandbox made by `user`'s grader (the system's Python), whose own environment holds a secret."""
+    spec = {"argv": argv, "workdir": str(workdir), "processes": processes, "env": env or {}}
+    grader = subprocess.run(as_user(user, [SYSTEM_PYTHON, "-c", USER_GRADER, json.dumps(spec)]), capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root()), "COURSE_GRADER_SECRET": "s3cret"},
+                            cwd="/", timeout=180)
+    assert grader.returncode == 0, grader.stderr
+    return json.loads(grader.stdout)
+
+
+def in_user_sandbox(user, code: str, workdir: Path, *args: str, **options) -> str:
+    """Python code (the system's) in `user`'s sandbox; its stdout, or the test fails with its stderr."""
+    report = grade_as(user, [SYSTEM_PYTHON, "-c", textwrap.dedent(code), *args], workdir, **options)
+    assert report["returncode"] == 0, report["stderr"]
+    return report["stdout"]
+
+
+USER_INSIDE = """
+    import errno, json, os, subprocess, sys
+    status = dict(line.split(":\\t", 1) for line in open("/proc/self/status").read().splitlines())
+    result = {"id": subprocess.run(["id", "-u"], capture_output=True, text=True).stdout.strip(), "env": dict(os.environ),
+              "caps": [status[k].strip() for k in ("CapEff", "CapBnd")], "nnp": status["NoNewPrivs"].strip(),
+              "unshare": subprocess.run(["unshare", "-U", "true"], capture_output=True, text=True).returncode}
+    for name, path in (("workdir", "out.txt"), ("course", sys.argv[1])):
+        try:
+            with open(path, "a") as f:
+                f.write("written in the sandbox")
+            result[name] = "ok"
+        except OSError as err:
+            result[name] = errno.errorcode[err.errno]
+    print(json.dumps(result))
+"""
+
+
+def test_a_users_sandbox_runs_as_that_user_and_keeps_the_rest_out(grader_user, user_workdir):
+    uid = grader_user.pw_uid
+    # A course file the user may write outside: inside, the course is read-only all the same.
+    course_file = root() / "notebooks" / f".sandbox-test-{uuid.uuid4().hex}"
+    course_file.write_text("")
+    os.chown(course_file, uid, grader_user.pw_gid)
+    try:
+        assert subprocess.run(as_user(grader_user, ["sh", "-c", f"echo >> {course_file}"])).returncode == 0  # the control
+        assert subprocess.run(as_user(grader_user, ["unshare", "-U", "true"])).returncode == 0  # the control
+        seen = json.loads(in_user_sandbox(grader_user, USER_INSIDE, user_workdir, str(course_file)))
+        assert course_file.read_text() == "\n"
+    finally:
+        course_file.unlink()
+    assert seen["id"] == str(uid)
+    env = seen["env"]
+    assert "COURSE_GRADER_SECRET" not in env and "s3cret" not in json.dumps(env)
+    assert (env["USER"], env["HOME"]) == (grader_user.pw_name, str(user_workdir.resolve() / "home"))
+    assert seen["workdir"] == "ok" and (user_workdir / "out.txt").read_text() == "written in the sandbox"
+    assert seen["course"] == "EROFS"
+    assert seen["caps"] == ["0000000000000000", "0000000000000000"] and seen["nnp"] == "1"
+    assert seen["unshare"] != 0, "--disable-userns: no user namespace of its own inside"
+    assert (user_workdir.stat().st_uid, (user_workdir / "home").stat().st_uid) == (uid, uid)
+
+
+def test_a_users_line_is_a_users(grader_user, user_workdir):
+    line = grade_as(grader_user, ["true"], user_workdir)["line"]
+    assert "setpriv" not in line and "--cap-add" not in line and {"--unshare-user", "--disable-userns"} <= set(line)
+
+
+def test_a_users_sandbox_reaches_only_its_loopback(grader_user, user_workdir, host_server):
+    address = host_address()
+    hosts = ["127.0.0.1", *([address] if address and not address.startswith("127.") else []), "1.1.1.1"]
+    for host in hosts[:-1]:  # the control: the user reaches the host's server outside the sandbox
+        code = f"import socket; socket.create_connection(({host!r}, {host_server}), timeout=3).close()"
+        assert subprocess.run(as_user(grader_user, [SYSTEM_PYTHON, "-c", code])).returncode == 0
+    seen = json.loads(in_user_sandbox(grader_user, NETWORK, user_workdir, str(host_server), *hosts))
+    assert seen["loopback"] == "pong"
+    assert "connected" not in seen["outside"].values(), seen["outside"]
+
+
+USER_ESCAPERS = f"""
+import pathlib, subprocess, sys, time
+marker = sys.argv[1]
+subprocess.Popen([sys.executable, "-c", {HOPPER!r}, marker + "-hopper"])
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker + "-setsid"], start_new_session=True)
+time.sleep(1)
+def cmdline(p):
+    try:
+        return p.read_bytes()
+    except OSError:
+        return b""
+cmdlines = [cmdline(p) for p in pathlib.Path("/proc").glob("[0-9]*/cmdline")]
+print(" ".join(kind for kind in ("hopper", "setsid") if any((marker + "-" + kind).encode() in c for c in cmdlines)))
+"""
+
+
+def test_nothing_outlives_a_users_sandbox(grader_user, user_workdir, marker):
+    report = grade_as(grader_user, [SYSTEM_PYTHON, "-c", USER_ESCAPERS, marker], user_workdir)
+    assert report["returncode"] == 0, report["stderr"]
+    assert report["stdout"].split() == ["hopper", "setsid"], "the control: both ran in the sandbox"
+    assert gone(marker), with_marker(marker)
+
+
+FORKS = """
+    import errno, json, os, sys, time
+    if len(sys.argv) > 1:  # as grade.py does: the limits set again inside
+        sys.path.insert(0, sys.argv[1])
+        from course_utils.tooling.sandbox import Limits, apply_limits
+        apply_limits(Limits(processes=int(sys.argv[2])))
+    forks = 0
+    try:
+        for _ in range(200):
+            if os.fork() == 0:
+                time.sleep(3)
+                os._exit(0)
+            forks += 1
+    except OSError as err:
+        print(json.dumps([forks, errno.errorcode[err.errno]]))
+    else:
+        print(json.dumps([forks, None]))
+"""
+
+CROWD = "import threading, time\nfor _ in range(200): threading.Thread(target=time.sleep, args=(120,), daemon=True).start()\nprint('up', flush=True)\ntime.sleep(120)"
+
+
+@pytest.mark.parametrize("where", ["before bwrap", "inside"])
+def test_a_users_sandbox_may_start_its_processes_however_many_the_user_runs(grader_user, user_workdir, where):
+    crowd = subprocess.Popen(as_user(grader_user, [SYSTEM_PYTHON, "-c", CROWD]), stdout=subprocess.PIPE, text=True)
+    try:
+        assert crowd.stdout.readline().strip() == "up"
+        assert sandbox.threads_of(grader_user.pw_uid) > 200  # the control: the user runs far more than 30
+        args = [] if where == "before bwrap" else [str(root()), "30"]
+        out = in_user_sandbox(grader_user, FORKS, user_workdir, *args, processes=30 if where == "before bwrap" else None)
+    finally:
+        crowd.kill()
+        crowd.wait()
+    forks, error = json.loads(out)
+    assert error == "EAGAIN" and 20 <= forks <= 30, (forks, error)  # 30 more than now, less bwrap's own before it
