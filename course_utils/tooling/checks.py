@@ -369,6 +369,7 @@ def expect_tensor(
         raise ExerciseFailed(f"{what} is a {type(got).__name__}, expected a torch.Tensor")
     if not isinstance(got, torch.Tensor):
         raise ExerciseFailed(f"{what} is {a_type(got)}, expected a torch.Tensor")
+    expect_plain_tensor(got, what=what)
     shape = tuple(got.shape)
     expect_shape(got, expected.shape, what=what)
     if check_dtype and got.dtype != expected.dtype:
@@ -390,6 +391,17 @@ def expect_tensor(
         raise ExerciseFailed(
             f"{what}: wrong values, e.g. at index {index} expected {b[index].item():.6g}, got {a[index].item():.6g}{hint}"
         )
+
+
+# The tensor types a learner's answer may have: a subclass could override the comparisons that judge it
+# (allclose, equal, __torch_function__), so only torch's own plain types are compared.
+PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter) + ((nn.Buffer,) if hasattr(nn, "Buffer") else ())
+
+
+def expect_plain_tensor(got: torch.Tensor, *, what: str = "your result") -> None:
+    """Fail unless got is a plain torch.Tensor (or an nn.Parameter): a subclass's own comparisons must never decide."""
+    if type(got) not in PLAIN_TENSOR_TYPES:
+        raise ExerciseFailed(f"{what} is a torch.Tensor subclass ({type_name(got)}): return a plain tensor")
 
 
 def _shape_hint(got: tuple, want: tuple) -> str:
@@ -433,8 +445,32 @@ def expect_equal(got: Any, expected: Any, *, what: str = "your result", returned
         raise ExerciseFailed(f"{what} is {a_type(got)}, expected a Python {type(expected).__name__}: convert it with {type(expected).__name__}(...)")
     if type(got) is not type(expected):
         raise ExerciseFailed(f"{what} is {a_type(got)} ({_short_repr(got)}), expected {a_type(expected)}")
+    inner = _type_mismatch(got, expected)
+    if inner:
+        raise ExerciseFailed(f"{what} holds {a_type(inner[0])} ({_short_repr(inner[0])}) where {a_type(inner[1])} belongs")
     if got != expected:
         raise ExerciseFailed(f"{what}: expected {expected!r}, got {_short_repr(got)}")
+
+
+def _type_mismatch(got: Any, expected: Any) -> tuple[Any, Any] | None:
+    """(got's item, expected's item) for the first item inside a tuple, list or dict whose type differs, else None.
+
+    Equality of containers asks their items, and a subclass's __eq__ would answer for the
+    learner's items: so every item must have exactly the type the expected one has.
+    """
+    if type(got) is not type(expected):
+        return got, expected
+    if isinstance(expected, (tuple, list)) and len(got) == len(expected):
+        pairs = list(zip(got, expected))
+    elif isinstance(expected, dict):
+        key_types = {type(k) for k in expected}
+        odd_key = next((k for k in got if type(k) not in key_types), None)
+        if odd_key is not None and expected:
+            return odd_key, next(iter(expected))
+        pairs = [(got[k], expected[k]) for k in got if k in expected]
+    else:
+        return None
+    return next((found for a, b in pairs if (found := _type_mismatch(a, b))), None)
 
 
 def _short_repr(value: Any, limit: int = 60) -> str:
@@ -479,6 +515,7 @@ def expect_shape(got: Any, shape: Sequence[int], *, what: str = "your result") -
     """Check only that `got` is a tensor of the given shape."""
     if not isinstance(got, torch.Tensor):
         raise ExerciseFailed(f"{what} is {a_type(got)}, expected a torch.Tensor")
+    expect_plain_tensor(got, what=what)
     if tuple(got.shape) != tuple(shape):
         raise ExerciseFailed(f"{what}: expected shape {tuple(shape)}, got {tuple(got.shape)}{_shape_hint(tuple(got.shape), tuple(shape))}")
 
