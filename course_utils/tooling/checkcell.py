@@ -228,6 +228,10 @@ def _is_module(scope: dict, names: set[str], module: str) -> bool:
 def _reference_used(names: set[str], scope: dict) -> str | None:
     """'lesson00.add_one' when the code reaches an exercise's reference through a lesson module or a global bound to it."""
     for global_name in sorted(names):
+        imported = re.fullmatch(r"course_utils\.lesson(\d\d)", global_name)  # `from course_utils.lesson00 import ...` in the function
+        hit = sorted(names & {e.name for e in _exercises(imported.group(1))}) if imported else []
+        if hit:
+            return f"{global_name}.{hit[0]}"
         value = _global(scope, global_name)
         if isinstance(value, ModuleType):
             match = re.fullmatch(r"course_utils\.lesson(\d\d)", value.__name__)
