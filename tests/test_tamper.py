@@ -239,13 +239,19 @@ class Always(torch.Tensor):
             return True
         return super().__torch_function__(func, types, args, kwargs or {})
 """
+FORGED = """\
+    from IPython.display import display
+    record = {"exercise": "add_one", "status": "passed", "reason": "", "nonce": "0" * 32, "review": []}
+    display({"application/vnd.course.verdict+json": record}, raw=True)
+"""
 NO_VERDICT_REASON = "the check did not report a verdict: was the checker patched or bypassed?"
 
 ATTACKS = {
     # name: (notebook, {exercise: (status, reason or None)}, route named in review or None, static route or None)
-    "tags": (tagged(["raises-exception", "nbval-skip", "nbval-ignore-output"]), "not attempted", None, None),
-    "skip-tag": (tagged(["skip"]), "not attempted", None, None),
-    "markers": (with_markers(["# NBVAL_RAISES_EXCEPTION", "# NBVAL_SKIP"]), "not attempted", None, None),
+    "raises-exception tag": (tagged(["raises-exception"]), "not attempted", None, None),
+    "skip tags": (tagged(["skip", "nbval-skip", "nbval-ignore-output"]), "not attempted", None, None),
+    "raises marker": (with_markers(["# NBVAL_RAISES_EXCEPTION"]), "not attempted", None, None),
+    "skip marker": (with_markers(["# NBVAL_SKIP", "# NBVAL_IGNORE_OUTPUT"]), "not attempted", None, None),
     "checker_running": (after_exercise("from course_utils.tooling import verdicts\nverdicts.checker_running = lambda: False"),
                         "not attempted", tamper.PATCH, tamper.PATCH),
     "Verdict.passed": (after_exercise("from course_utils.tooling.verdicts import Verdict\nVerdict.passed = property(lambda self: True)"),
@@ -270,6 +276,8 @@ ATTACKS = {
                None, tamper.FRAMES, tamper.FRAMES),
     "tensor subclass": (after_exercise(SUBCLASS + "def add_one(x):\n    return (x * 0).as_subclass(Always)"),
                         None, tamper.SUBCLASS, tamper.SUBCLASS),
+    "forged record": (answered(learner_nb(), "add_one", FORGED), ("failed", "add_one(tensor of shape (3,), dtype torch.float32) is None: "
+                                                                  "did you forget to `return` it?"), tamper.FORGE, tamper.FORGE),
     "torch patch": (after_exercise("torch.allclose = lambda *a, **k: True\ntorch.equal = lambda *a, **k: True\n"
                                    "def add_one(x):\n    return x.clone()"),
                     ("failed", "your code replaced torch.allclose, which the check compares with: remove that patch"),

@@ -254,22 +254,18 @@ def _exercises(lesson: str) -> list:
 
 
 def _is_learner_function(function: Any) -> bool:
-    """A function of the learner's: defined in a notebook cell, a file of theirs, or a string they exec'd in their namespace."""
-    code = getattr(function, "__code__", None)
-    if not isinstance(code, types.CodeType):
+    """A function of the learner's: defined in the notebook (or a string it exec'd there), or in a module of the learner's."""
+    if not isinstance(getattr(function, "__code__", None), types.CodeType):
         return False
-    if code.co_filename.startswith("<") and not code.co_filename.startswith("<ipython-input"):
-        # Libraries generate code too (dataclasses, namedtuple): theirs is defined in their own module.
-        return getattr(function, "__module__", None) in (None, "__main__")
-    return checks.is_learner_file(code.co_filename)
+    return _is_learner_module(getattr(function, "__module__", None))
 
 
 def _is_learner_class(kind: type) -> bool:
-    module = sys.modules.get(getattr(kind, "__module__", "") or "")
-    if kind.__module__ == "__main__" or module is None:
-        return True
-    file = getattr(module, "__file__", None)
-    return file is not None and checks.is_learner_file(file)
+    return _is_learner_module(getattr(kind, "__module__", None))
+
+
+def _is_learner_module(name: str | None) -> bool:
+    return checks.learner_module(name)
 
 
 def learner_code(answer: Any) -> Iterator[tuple[types.CodeType, dict]]:
@@ -393,7 +389,8 @@ def _same_file(a: str | None, b: str | None) -> bool:
 
 def _same_code(a: Any, b: Any) -> bool:
     a, b = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    return a is not None and b is not None and (a.co_filename, a.co_firstlineno, a.co_code) == (b.co_filename, b.co_firstlineno, b.co_code)
+    return (a is not None and b is not None and (a.co_firstlineno, a.co_code) == (b.co_firstlineno, b.co_code)
+            and (a.co_filename == b.co_filename or _same_file(a.co_filename, b.co_filename)))
 
 
 def _drift(live: ModuleType, copy: ModuleType) -> list[str]:

@@ -393,14 +393,14 @@ def expect_tensor(
         )
 
 
-# The tensor types a learner's answer may have: a subclass could override the comparisons that judge it
-# (allclose, equal, __torch_function__), so only torch's own plain types are compared.
-PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter) + ((nn.Buffer,) if hasattr(nn, "Buffer") else ())
-
-
 def expect_plain_tensor(got: torch.Tensor, *, what: str = "your result") -> None:
-    """Fail unless got is a plain torch.Tensor (or an nn.Parameter): a subclass's own comparisons must never decide."""
-    if type(got) not in PLAIN_TENSOR_TYPES:
+    """Fail for a tensor of a subclass that is not torch's own (nn.Parameter is fine): its comparisons must never decide.
+
+    A subclass can override allclose, equal or __torch_function__, and so answer the very
+    comparisons that judge it.
+    """
+    foreign = [k for k in type(got).__mro__ if issubclass(k, torch.Tensor) and not (k.__module__ or "").startswith("torch")]
+    if foreign:
         raise ExerciseFailed(f"{what} is a torch.Tensor subclass ({type_name(got)}): return a plain tensor")
 
 
@@ -447,24 +447,44 @@ def expect_equal(got: Any, expected: Any, *, what: str = "your result", returned
         raise ExerciseFailed(f"{what} is {a_type(got)} ({_short_repr(got)}), expected {a_type(expected)}")
     inner = _type_mismatch(got, expected)
     if inner:
-        raise ExerciseFailed(f"{what} holds {a_type(inner[0])} ({_short_repr(inner[0])}) where {a_type(inner[1])} belongs")
+        raise ExerciseFailed(f"{what} holds {a_type(inner[0])} ({_short_repr(inner[0])}) where {a_type(inner[1])} belongs: "
+                             "return plain values")
     if got != expected:
         raise ExerciseFailed(f"{what}: expected {expected!r}, got {_short_repr(got)}")
 
 
+def learner_module(name: str | None) -> bool:
+    """True for the notebook's own namespace (__main__) and for a module imported from the learner's folder.
+
+    Decided by the module, not by where its file is: a library installed in a folder that
+    sysconfig does not list must never be taken for the learner's code.
+    """
+    if name in (None, "__main__"):
+        return True
+    import sys
+
+    file = getattr(sys.modules.get(name), "__file__", None)
+    if not file:
+        return False
+    folder = os.path.realpath(os.getcwd()) + os.sep
+    real = os.path.realpath(file)
+    course = str(Path(__file__).resolve().parents[1]) + os.sep
+    return real.startswith(folder) and not real.startswith(course) and "site-packages" not in real
+
+
 def _type_mismatch(got: Any, expected: Any) -> tuple[Any, Any] | None:
-    """(got's item, expected's item) for the first item inside a tuple, list or dict whose type differs, else None.
+    """(got's item, expected's item) for the first item inside a tuple, list or dict of a learner's class, else None.
 
     Equality of containers asks their items, and a subclass's __eq__ would answer for the
-    learner's items: so every item must have exactly the type the expected one has.
+    learner's items: so no item may be of a class the learner defined where another type belongs.
     """
     if type(got) is not type(expected):
-        return got, expected
+        return (got, expected) if learner_module(type(got).__module__) else None
     if isinstance(expected, (tuple, list)) and len(got) == len(expected):
         pairs = list(zip(got, expected))
     elif isinstance(expected, dict):
         key_types = {type(k) for k in expected}
-        odd_key = next((k for k in got if type(k) not in key_types), None)
+        odd_key = next((k for k in got if type(k) not in key_types and learner_module(type(k).__module__)), None)
         if odd_key is not None and expected:
             return odd_key, next(iter(expected))
         pairs = [(got[k], expected[k]) for k in got if k in expected]
