@@ -397,6 +397,8 @@ def _drift(live: ModuleType, copy: ModuleType) -> list[str]:
     """The names of functions and class members of `copy` that `live` no longer has as its file defines them."""
     changed = []
     for name, value in vars(copy).items():
+        if name.startswith("__"):
+            continue  # torch.compile adds its compiled functions to the globals of the code it compiles
         mine = vars(live).get(name)
         if isinstance(value, types.FunctionType) and value.__module__ == copy.__name__:
             if not _same_code(mine, value):
