@@ -17,6 +17,7 @@ hooks and the like are named in the record's "review" list for an instructor.
 
 import ast
 import builtins
+import functools
 import importlib.util
 import os
 import re
@@ -81,8 +82,9 @@ def run(lesson: str, exercise: str, namespace: dict, nonce: str | None = None) -
     (wanted,) = [e for e in exercises(lesson) if e.name == exercise]
     module = fresh_lesson(lesson)
     fresh_checks = module._fresh_checks
-    review = environment_review(lesson, namespace)
-    fault = untrusted_torch() or answer_fault(lesson, exercise, wanted.check_source, namespace)
+    fault, review = _inspected(lesson, exercise, wanted.check_source, namespace)
+    review += _safely(environment_review, lesson, namespace) or []
+    fault = untrusted_torch() or fault
     original_report = fresh_checks.report
 
     def report(verdict) -> None:
@@ -107,6 +109,22 @@ def run(lesson: str, exercise: str, namespace: dict, nonce: str | None = None) -
             _report(lesson, fresh_checks, verdict)
     finally:
         fresh_checks.report = original_report
+
+
+def _safely(look: Any, *args: Any) -> Any:
+    """An advisory look at the kernel: whatever odd object it meets there, it must never break an honest check."""
+    try:
+        return look(*args)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _inspected(lesson: str, exercise: str, check_source: str, namespace: dict) -> tuple[tuple[str, str] | None, list[str]]:
+    """(answer_fault(), []); an answer built to make the inspection itself fail is named for review, and judged as usual."""
+    try:
+        return answer_fault(lesson, exercise, check_source, namespace), []
+    except Exception as err:  # noqa: BLE001
+        return None, [f"{tamper.REFERENCE}: the answer of {exercise} could not be inspected ({type(err).__name__})"]
 
 
 def _report(lesson: str, fresh_checks: ModuleType, verdict: Any) -> None:
@@ -174,7 +192,7 @@ def _lesson_file(code_file: str) -> str | None:
 def _unwrap(obj: Any) -> Any:
     """The function behind a partial, a bound method, a static or class method, a functools.wraps wrapper."""
     for _ in range(10):
-        inner = getattr(obj, "func", None) if hasattr(obj, "args") and hasattr(obj, "keywords") else None
+        inner = obj.func if isinstance(obj, functools.partial) else None
         inner = inner or getattr(obj, "__func__", None) or getattr(obj, "__wrapped__", None)
         if inner is None or inner is obj:
             return obj

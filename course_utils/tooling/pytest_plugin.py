@@ -404,26 +404,29 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 
 def _judge_by_record(item: pytest.Item, report: pytest.TestReport) -> None:
-    """Let the check's verdict record decide: a pass needs one; a record that is not a pass fails the cell with its reason."""
+    """Let the check's verdict record decide: a pass needs one; a record that is not a pass fails the cell with its reason.
+
+    Sets item.course_record to (status, reason) when the cell must fail for it. Records without
+    the cell's nonce, or for another exercise, were not published by the course's check.
+    """
     records = [r for r in map(_record_of, item.test_outputs or []) if r is not None]
     genuine = [r for r in records if r.get("nonce") == item.course_nonce and r.get("exercise") == item.course_exercise]
-    review = _notebook(item)["review"]
-    for route in [r for g in genuine for r in g.get("review", []) if isinstance(r, str)]:
-        if route not in review:
-            review.append(route)
+    for route in (r for g in genuine for r in g.get("review", []) if isinstance(r, str)):
+        _add_review(item, route)
     if len(genuine) < len(records):
         _add_review(item, f"{FORGE}: a record the check did not publish ({item.course_exercise})")
-    verdict = next((r for r in genuine if r.get("status") != "passed"), genuine[-1] if genuine else None)
-    if verdict is None and report.passed:
+    not_passed = [r for r in genuine if r.get("status") != "passed"]
+    if not_passed:
+        item.course_record = (str(not_passed[0].get("status")), str(not_passed[0].get("reason", "")))
+    elif not genuine and report.passed:
         _add_review(item, f"{NO_VERDICT}: {item.course_exercise}")
         item.course_record = ("failed", "the check did not report a verdict: was the checker patched or bypassed?")
-    elif verdict is not None and verdict.get("status") != "passed":
-        item.course_record = (str(verdict.get("status")), str(verdict.get("reason", "")))
     if getattr(item, "course_record", None) and report.passed:
         report.outcome = "failed"
 
 
 def _add_review(item: pytest.Item, route: str) -> None:
+    """Name a route to fool the checker in the notebook's report, once."""
     review = _notebook(item)["review"]
     if route not in review:
         review.append(route)
