@@ -37,6 +37,7 @@ FLAGGED = [
     ("def add_one(x):\n    return lesson00.add_one(x)", tamper.REFERENCE),
     ("def add_one(x):\n    return getattr(lesson00, 'add_one')(x)", tamper.REFERENCE),
     ("add_one = lambda x: lesson00.add_one(x)", tamper.REFERENCE),
+    ("import sys\ndef add_one(x):\n    return getattr(sys.modules['course_utils.lesson00'], 'add_one')(x)", tamper.REFERENCE),
     ("source = open('course_utils/lesson00.py').read()", tamper.REFERENCE),
     ("import sys\ndef add_one(x):\n    return sys._getframe(2).f_globals['add_one'](x)", tamper.FRAMES),
     ("import inspect\ndef draw(s, n):\n    return inspect.stack()[2].frame.f_globals['draw'](s, n)", tamper.FRAMES),
@@ -172,11 +173,15 @@ def test_kernel_checks_find_the_reference_and_frames():
     namespace = {"lesson00": lesson00}
     exec("def add_one(x):\n    return lesson00.add_one(x)", namespace)
     reason, route = checkcell.code_fault("add_one", namespace["add_one"])
-    assert reason == "your add_one calls the course's reference lesson00.add_one: write your own"
+    assert reason == "your add_one calls the course's reference course_utils.lesson00.add_one: write your own"
     exec("import sys\ndef helper(s, n):\n    return sys._getframe(3).f_globals['draw'](s, n)\ndef draw(s, n):\n    return helper(s, n)", namespace)
     reason, route = checkcell.code_fault("draw", namespace["draw"])
     assert reason == "your draw reads the checker's stack frames (_getframe, f_globals): write your own code"
     assert route.startswith(tamper.FRAMES)
+    exec("import sys\ndef sneaky(s, n):\n    return getattr(sys, '_getframe')(2).f_locals['fn'](s, n)", namespace)
+    assert checkcell.code_fault("draw", namespace["sneaky"])[1] == f"{tamper.FRAMES}: draw uses _getframe, f_locals"
+    exec("import sys\ndef by_name(x):\n    return getattr(sys.modules['course_utils.lesson00'], 'add_one')(x)", namespace)
+    assert checkcell.code_fault("add_one", namespace["by_name"])[1] == f"{tamper.REFERENCE}: add_one calls course_utils.lesson00.add_one"
 
 
 def test_torch_is_trusted_until_patched(monkeypatch):

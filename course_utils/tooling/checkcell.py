@@ -218,17 +218,18 @@ def code_fault(name: str, answer: Any) -> tuple[str, str] | None:
     """(reason, route) when the answer's own code reads the checker's frames or calls the course's reference."""
     for code, scope in learner_code(answer):
         names = set(code.co_names)
-        frames = sorted(names & tamper.FRAME_ATTRS)
+        words = names | {c for c in code.co_consts if isinstance(c, str)}  # getattr(sys, "_getframe") names it in a string
+        frames = sorted(words & tamper.FRAME_ATTRS)
         if not frames and names & tamper.INSPECT_FRAME_FUNCTIONS and _is_module(scope, names, "inspect"):
             frames = sorted(names & tamper.INSPECT_FRAME_FUNCTIONS)
         if frames:
             return (f"your {name} reads the checker's stack frames ({', '.join(frames)}): write your own code",
                     f"{tamper.FRAMES}: {name} uses {', '.join(frames)}")
-        if names & tamper.GC_FUNCTIONS and _is_module(scope, names, "gc"):
-            found = ", ".join(sorted(names & tamper.GC_FUNCTIONS))
+        if words & tamper.GC_FUNCTIONS and _is_module(scope, names, "gc"):
+            found = ", ".join(sorted(words & tamper.GC_FUNCTIONS))
             return (f"your {name} searches the interpreter's objects (gc.{found}): write your own code",
                     f"{tamper.OBJECT_GRAPH}: {name} uses gc.{found}")
-        used = _reference_used(names, scope)
+        used = _reference_used(names, words, scope)
         if used:
             return (f"your {name} calls the course's reference {used}: write your own",
                     f"{tamper.REFERENCE}: {name} calls {used}")
@@ -243,24 +244,25 @@ def _is_module(scope: dict, names: set[str], module: str) -> bool:
     return any(isinstance(_global(scope, n), ModuleType) and _global(scope, n).__name__ == module for n in names)
 
 
-def _reference_used(names: set[str], scope: dict) -> str | None:
-    """'lesson00.add_one' when the code reaches an exercise's reference through a lesson module or a global bound to it."""
-    for global_name in sorted(names):
-        imported = re.fullmatch(r"course_utils\.lesson(\d\d)", global_name)  # `from course_utils.lesson00 import ...` in the function
-        hit = sorted(names & {e.name for e in _exercises(imported.group(1))}) if imported else []
+def _lesson_modules(names: set[str], words: set[str], scope: dict) -> list[str]:
+    """The course_utils.lessonNN modules a code object reaches: imported in it, named in a string, or a global bound to one."""
+    found = [w for w in words if re.fullmatch(r"course_utils\.lesson\d\d", w)]
+    found += [v.__name__ for n in names if isinstance(v := _global(scope, n), ModuleType)
+              and re.fullmatch(r"course_utils\.lesson\d\d", v.__name__)]
+    return sorted(set(found))
+
+
+def _reference_used(names: set[str], words: set[str], scope: dict) -> str | None:
+    """'course_utils.lesson00.add_one' when the code reaches an exercise's reference through a lesson module or a global bound to it."""
+    for module in _lesson_modules(names, words, scope):
+        hit = sorted(words & {e.name for e in _exercises(module[-2:])})
         if hit:
-            return f"{global_name}.{hit[0]}"
+            return f"{module}.{hit[0]}"
+    for global_name in sorted(names):
         value = _global(scope, global_name)
-        if isinstance(value, ModuleType):
-            match = re.fullmatch(r"course_utils\.lesson(\d\d)", value.__name__)
-            if match:
-                hit = sorted(names & {e.name for e in _exercises(match.group(1))})
-                if hit:
-                    return f"{value.__name__.rsplit('.', 1)[1]}.{hit[0]}"
-        elif value is not None and not isinstance(value, ModuleType):
-            origin = reference_origin(value) if callable(value) else None
-            if origin and origin.rsplit(".", 1)[1] in {e.name for e in _exercises(origin.split(".")[1][6:])}:
-                return origin
+        origin = reference_origin(value) if callable(value) and not isinstance(value, ModuleType) else None
+        if origin and origin.rsplit(".", 1)[1] in {e.name for e in _exercises(origin.split(".")[1][6:])}:
+            return origin
     return None
 
 

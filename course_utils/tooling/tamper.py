@@ -308,6 +308,8 @@ class Scanner(ast.NodeVisitor):
             self.flag(FORGE, "writes the checker's verdict MIME type")
         elif re.search(r"course_utils\.tooling\.(?!progress\b)\w+|\bcheckcell\b|\bpytest_plugin\b", text):
             self.flag(CHECKER, f"names {text[:60]!r}")
+        elif re.search(r"course_utils\.lesson\d\d", text) and self.in_exercise():
+            self.flag(REFERENCE, f"names {text[:60]!r}")
         elif re.search(r"\blesson\d\d\.py\b", text):
             self.flag(REFERENCE, f"names the course's file {re.search(r'lesson[0-9][0-9][.]py', text).group(0)}")
 
