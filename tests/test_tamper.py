@@ -184,6 +184,20 @@ def test_kernel_checks_find_the_reference_and_frames():
     assert checkcell.code_fault("add_one", namespace["by_name"])[1] == f"{tamper.REFERENCE}: add_one calls course_utils.lesson00.add_one"
 
 
+def test_a_learners_tensor_subclass_that_overrides_comparisons_is_found():
+    assert checkcell.subclass_fault() is None
+    namespace = {"__name__": "__main__"}
+    exec(SUBCLASS.replace("Always", "Sneaky"), {**namespace, "torch": __import__("torch")}, namespace)
+    reason, route = checkcell.subclass_fault()
+    assert reason == ("your code defines Sneaky, a torch.Tensor subclass that overrides __torch_function__: "
+                      "the checks compare plain tensors; remove it")
+    assert route == f"{tamper.SUBCLASS}: class Sneaky overrides __torch_function__"
+    del namespace["Sneaky"]
+    import gc
+
+    gc.collect()  # __subclasses__ holds its classes weakly
+
+
 def test_torch_is_trusted_until_patched(monkeypatch):
     import torch
 
@@ -283,6 +297,9 @@ ATTACKS = {
                         None, tamper.SUBCLASS, tamper.SUBCLASS),
     "forged record": (answered(learner_nb(), "add_one", FORGED), ("failed", "add_one(tensor of shape (3,), dtype torch.float32) is None: "
                                                                   "did you forget to `return` it?"), tamper.FORGE, tamper.FORGE),
+    "torch patched by the answer": (answered(learner_nb(), "add_one", "    torch.allclose = lambda *a, **k: True\n    return x.clone()"),
+                                    ("failed", "your code replaced torch.allclose, which the check compares with: remove that patch"),
+                                    tamper.TORCH_PATCH, tamper.TORCH_PATCH),
     "torch patch": (after_exercise("torch.allclose = lambda *a, **k: True\ntorch.equal = lambda *a, **k: True\n"
                                    "def add_one(x):\n    return x.clone()"),
                     ("failed", "your code replaced torch.allclose, which the check compares with: remove that patch"),

@@ -88,6 +88,10 @@ def run(lesson: str, exercise: str, namespace: dict, nonce: str | None = None) -
     original_report = fresh_checks.report
 
     def report(verdict) -> None:
+        late = (untrusted_torch() or subclass_fault()) if verdict.status == "passed" else None
+        if late:  # the answer patched torch while the check ran, so its comparisons cannot be trusted
+            review.append(late[1])
+            verdict = module._fresh_verdicts.Verdict(exercise, "failed", late[0])
         publish(verdict, nonce, review)
         original_report(verdict)
 
@@ -363,6 +367,41 @@ def _library_function(obj: Any) -> bool:
     while hasattr(function, "__wrapped__"):
         function = function.__wrapped__
     return isinstance(function, types.FunctionType) and not _is_learner_function(function)
+
+
+def subclass_fault() -> tuple[str, str] | None:
+    """(reason, route) when a torch.Tensor subclass of the learner's overrides how tensors compare.
+
+    The comparison helpers refuse such a tensor, but a lesson's own check may compare with
+    torch.equal directly; no lesson asks for a tensor subclass, so a pass is not given with one about.
+    """
+    found = learner_tensor_subclasses()
+    if not found:
+        return None
+    kind = found[0]
+    overridden = sorted(set(vars(kind)) & OVERRIDES)
+    return (f"your code defines {kind.__qualname__}, a torch.Tensor subclass that overrides {overridden[0]}: "
+            "the checks compare plain tensors; remove it",
+            f"{tamper.SUBCLASS}: class {kind.__qualname__} overrides {', '.join(overridden)}")
+
+
+OVERRIDES = {"__torch_function__", "__torch_dispatch__", *TENSOR_COMPARISONS}
+
+
+def learner_tensor_subclasses() -> list[type]:
+    """Every torch.Tensor subclass of the learner's that overrides __torch_function__ or a comparison."""
+    import torch
+
+    found, todo, seen = [], [torch.Tensor], set()
+    while todo:
+        for kind in todo.pop().__subclasses__():
+            if kind in seen:
+                continue
+            seen.add(kind)
+            todo.append(kind)
+            if _is_learner_class(kind) and set(vars(kind)) & OVERRIDES:
+                found.append(kind)
+    return found
 
 
 def _genuine(obj: Any) -> bool:
