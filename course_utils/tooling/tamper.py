@@ -42,7 +42,6 @@ PRE_RUN_EVENTS = {"pre_run_cell", "pre_execute"}
 SUBCLASS_BASES = {"Tensor", "TensorBase", "_TensorBase", "Parameter", "TorchFunctionMode", "TorchDispatchMode"}
 TORCH_MODE_CALLS = {"_make_subclass", "as_subclass", "_push_on_torch_function_stack", "_set_torch_function_mode",
                     "_push_mode", "enable_torch_function_mode", "enable_python_mode"}
-TORCH_ROOTS = {"torch", "numpy", "np", "Tensor", "F", "nn"}
 KILL_CALLS = {("os", "kill"), ("os", "killpg"), ("signal", "pthread_kill"), ("os", "getppid"), ("psutil", "process_iter"),
               ("psutil", "pids")}
 KILL_WORDS = re.compile(r"\b(kill|pkill|killall)\b")
@@ -319,46 +318,63 @@ class Scanner(ast.NodeVisitor):
         dotted = _dotted(node.func) or ""
         full = self.resolve(dotted) if dotted else ""
         name = full.split(".")[-1]
-        if isinstance(node.func, ast.Name) and node.func.id in EXEC_NAMES and node.func.id not in self.names:
-            self.flag(EXEC, f"{node.func.id}(...)")
-        elif isinstance(node.func, ast.Name) and node.func.id == "compile" and "compile" not in self.names:
-            self.flag(EXEC, "compile(...)")
-        elif full in {"runpy.run_path", "runpy.run_module", "types.FunctionType", "types.CodeType", "builtins.exec", "builtins.eval"}:
-            self.flag(EXEC, f"{dotted}(...)")
-        if tuple(full.split(".")[-2:]) in KILL_CALLS or (full.startswith("psutil.") and name in {"parent", "parents"}):
-            self.flag(KILL, f"{dotted}(...)")
-        if name in {"setattr", "delattr"} and isinstance(node.func, ast.Name) and node.args:
-            attr = _string(node.args[1]) if len(node.args) > 1 else None
-            target = _dotted(node.args[0])
-            self.check_patched(f"{target}.{attr}" if target and attr else target)
-            if attr in IPYTHON_ATTRS:
-                self.flag(IPYTHON, f"{name}(..., {attr!r})")
-            if attr and attr in FRAME_ATTRS:
-                self.flag(FRAMES, f"{name}(..., {attr!r})")
-        if name == "getattr" and isinstance(node.func, ast.Name) and len(node.args) > 1:
-            attr = _string(node.args[1]) or ""
-            target = self.resolve(_dotted(node.args[0]) or "")
-            if attr in FRAME_ATTRS:
-                self.flag(FRAMES, f"getattr(..., {attr!r})")
-            if attr in IPYTHON_ATTRS:
-                self.flag(IPYTHON, f"getattr(..., {attr!r})")
-            if LESSON_MODULE.match(target) and self.lesson_reference(f"{target}.{attr}") and self.in_exercise():
-                self.flag(REFERENCE, f"getattr({target}, {attr!r})")
-        if name in {"update", "pop", "setdefault", "__setitem__", "__delitem__", "clear"} and full.startswith("sys.modules."):
-            self.flag(PATCH, f"{dotted}(...)")
-        if name == "register" and any(_string(a) in PRE_RUN_EVENTS for a in node.args):
-            self.flag(IPYTHON, f"registers a {_string(node.args[0])} event")
-        if name in {"patch", "object"} and full.split(".")[0] in {"unittest", "mock", "patch"} | {k for k, v in self.names.items() if "mock" in v}:
-            self.check_mock(node)
-        if full in {"importlib.reload", "importlib.import_module"} and node.args and re.match(r"course_utils\.lesson\d\d", _string(node.args[0]) or ""):
-            if self.in_exercise():
-                self.flag(REFERENCE, f"{dotted}({_string(node.args[0])!r})")
-        if full in {"torch.library.Library", "torch.library.impl"} and any("aten" in (_string(a) or "") for a in node.args):
-            self.flag(TORCH_PATCH, f"{dotted}(aten ...)")
+        for look in (self.call_exec, self.call_kill, self.call_setattr, self.call_getattr, self.call_patches):
+            look(node, dotted, full, name)
         if name in {"run_cell_magic", "run_line_magic", "system", "getoutput"} and "get_ipython" in full:
             self.check_magic(name, node)
             return  # the magic's arguments were scanned as what they are
         self.generic_visit(node)
+
+    def call_exec(self, node: ast.Call, dotted: str, full: str, name: str) -> None:
+        """exec/eval/compile of the builtins (not model.eval(), not torch.compile), runpy, code objects made by hand."""
+        bare = node.func.id if isinstance(node.func, ast.Name) else None
+        if bare in EXEC_NAMES | {"compile"} and bare not in self.names:
+            self.flag(EXEC, f"{bare}(...)")
+        elif full in {"runpy.run_path", "runpy.run_module", "types.FunctionType", "types.CodeType", "builtins.exec", "builtins.eval"}:
+            self.flag(EXEC, f"{dotted}(...)")
+
+    def call_kill(self, node: ast.Call, dotted: str, full: str, name: str) -> None:
+        if tuple(full.split(".")[-2:]) in KILL_CALLS or (full.startswith("psutil.") and name in {"parent", "parents"}):
+            self.flag(KILL, f"{dotted}(...)")
+
+    def call_setattr(self, node: ast.Call, dotted: str, full: str, name: str) -> None:
+        """setattr(torch, "allclose", ...) is an assignment to torch.allclose."""
+        if name not in {"setattr", "delattr"} or not isinstance(node.func, ast.Name) or not node.args:
+            return
+        attr = _string(node.args[1]) if len(node.args) > 1 else None
+        target = _dotted(node.args[0])
+        self.check_patched(f"{target}.{attr}" if target and attr else target)
+        if attr in IPYTHON_ATTRS:
+            self.flag(IPYTHON, f"{name}(..., {attr!r})")
+        if attr in FRAME_ATTRS:
+            self.flag(FRAMES, f"{name}(..., {attr!r})")
+
+    def call_getattr(self, node: ast.Call, dotted: str, full: str, name: str) -> None:
+        """getattr(sys, "_getframe"), getattr(lesson00, "add_one") in an exercise."""
+        if name != "getattr" or not isinstance(node.func, ast.Name) or len(node.args) < 2:
+            return
+        attr = _string(node.args[1]) or ""
+        target = self.resolve(_dotted(node.args[0]) or "")
+        if attr in FRAME_ATTRS:
+            self.flag(FRAMES, f"getattr(..., {attr!r})")
+        if attr in IPYTHON_ATTRS:
+            self.flag(IPYTHON, f"getattr(..., {attr!r})")
+        if LESSON_MODULE.match(target) and self.lesson_reference(f"{target}.{attr}") and self.in_exercise():
+            self.flag(REFERENCE, f"getattr({target}, {attr!r})")
+
+    def call_patches(self, node: ast.Call, dotted: str, full: str, name: str) -> None:
+        """sys.modules changed, a pre-run event registered, mock.patch, torch.library overriding aten, a lesson loaded by name."""
+        first = _string(node.args[0]) if node.args else None
+        if name in {"update", "pop", "setdefault", "__setitem__", "__delitem__", "clear"} and full.startswith("sys.modules."):
+            self.flag(PATCH, f"{dotted}(...)")
+        if name == "register" and first in PRE_RUN_EVENTS:
+            self.flag(IPYTHON, f"registers a {first} event")
+        if full.startswith(("unittest.mock.patch", "mock.patch")):
+            self.check_mock(node)
+        if full in {"importlib.reload", "importlib.import_module"} and re.match(r"course_utils\.lesson\d\d", first or "") and self.in_exercise():
+            self.flag(REFERENCE, f"{dotted}({first!r})")
+        if full in {"torch.library.Library", "torch.library.impl"} and any("aten" in (_string(a) or "") for a in node.args):
+            self.flag(TORCH_PATCH, f"{dotted}(aten ...)")
 
     def check_mock(self, node: ast.Call) -> None:
         """mock.patch("torch.allclose", ...) and mock.patch.object(torch, "allclose", ...)."""
