@@ -376,9 +376,11 @@ def subclass_fault() -> tuple[str, str] | None:
     torch.equal directly; no lesson asks for a tensor subclass, so a pass is not given with one about.
     """
     found = learner_tensor_subclasses()
-    if not found:
-        return None
-    kind = found[0]
+    return subclass_message(found[0]) if found else None
+
+
+def subclass_message(kind: type) -> tuple[str, str]:
+    """(reason, route) for a learner's tensor subclass that overrides comparisons."""
     overridden = sorted(set(vars(kind)) & OVERRIDES)
     return (f"your code defines {kind.__qualname__}, a torch.Tensor subclass that overrides {overridden[0]}: "
             "the checks compare plain tensors; remove it",
