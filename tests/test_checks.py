@@ -390,6 +390,31 @@ def test_expect_tensor_ignores_grad():
     expect_tensor(EXPECTED.clone().requires_grad_(), EXPECTED)
 
 
+class _AlwaysClose(torch.Tensor):
+    """A learner's tensor subclass that answers the comparisons judging it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.allclose, torch.equal, torch.Tensor.allclose, torch.Tensor.equal):
+            return True
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_expect_tensor_refuses_a_tensor_subclass_that_answers_its_own_comparisons():
+    wrong = torch.zeros(2, 3).as_subclass(_AlwaysClose)
+    assert torch.allclose(wrong, torch.ones(2, 3))  # the attack: it would have passed
+    with pytest.raises(ExerciseFailed, match=r"^r is a torch.Tensor subclass \(.*_AlwaysClose\): return a plain tensor$"):
+        expect_tensor(wrong, torch.ones(2, 3), what="r")
+    with pytest.raises(ExerciseFailed, match=r"torch.Tensor subclass"):
+        expect_shape(wrong, (2, 3))
+
+
+def test_expect_tensor_takes_torchs_own_tensor_types():
+    expect_tensor(nn.Parameter(EXPECTED.clone()), EXPECTED)
+    expect_shape(nn.Parameter(torch.zeros(2, 3)), (2, 3))
+    expect_tensor(nn.Linear(2, 3).weight.detach(), torch.zeros(3, 2), atol=10)
+
+
 def test_expect_shape_only():
     expect_shape(torch.zeros(2, 3), (2, 3))
     with pytest.raises(ExerciseFailed, match=r"expected shape \(2, 3\), got \(3, 2\)"):
@@ -430,6 +455,35 @@ def test_expect_equal_type_must_match_exactly():
         expect_equal(np.int64(3), 3, what="n")
     with pytest.raises(ExerciseFailed, match=r"^x is an int \(2\), expected a float$"):
         expect_equal(2, 2.0, what="x")
+
+
+class _EqualsAnything(int):
+    __module__ = "__main__"  # as if defined in a notebook cell
+
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = int.__hash__
+
+
+def test_expect_equal_refuses_items_of_a_learners_class_inside_containers():
+    """A tuple's equality asks its items, and a subclass's __eq__ would answer for them."""
+    with pytest.raises(ExerciseFailed, match=r"^t holds a __main__._EqualsAnything \(1\) where an int belongs: return plain values$"):
+        expect_equal((_EqualsAnything(1), 2), (5, 2), what="t")
+    with pytest.raises(ExerciseFailed, match=r"holds a .*_EqualsAnything"):
+        expect_equal({"a": [_EqualsAnything(1)]}, {"a": [3]})
+    with pytest.raises(ExerciseFailed, match=r"holds a .*_EqualsAnything"):
+        expect_equal({_EqualsAnything(1): "x"}, {2: "x"})
+
+
+def test_expect_equal_still_takes_librarys_values_inside_containers():
+    expect_equal((np.int64(2), 3), (2, 3))  # as before: equal values, the container's type matches
+    expect_equal({"a": [1, (2, "b")]}, {"a": [1, (2, "b")]})
+    with pytest.raises(ExerciseFailed, match=r"expected \(2, 4\), got \(2, 3\)"):
+        expect_equal((2, 3), (2, 4))
 
 
 # --- expect_module ---------------------------------------------------------------------

@@ -534,6 +534,7 @@ def expect_tensor(
         raise ExerciseFailed(f"{what} is a {type(got).__name__}, expected a torch.Tensor")
     if not isinstance(got, torch.Tensor):
         raise ExerciseFailed(f"{what} is {a_type(got)}, expected a torch.Tensor")
+    expect_plain_tensor(got, what=what)
     shape = tuple(got.shape)
     expect_shape(got, expected.shape, what=what)
     if check_dtype and got.dtype != expected.dtype:
@@ -555,6 +556,16 @@ def expect_tensor(
         raise ExerciseFailed(
             f"{what}: wrong values, e.g. at index {index} expected {b[index].item():.6g}, got {a[index].item():.6g}{hint}"
         )
+
+
+def expect_plain_tensor(got: torch.Tensor, *, what: str = "your result") -> None:
+    """Fail for a tensor of a subclass the learner defined (torch's and libraries' are fine): its comparisons must never decide.
+
+    A subclass can override allclose, equal or __torch_function__, and so answer the very
+    comparisons that judge it.
+    """
+    if any(issubclass(k, torch.Tensor) and learner_module(k.__module__) for k in type(got).__mro__):
+        raise ExerciseFailed(f"{what} is a torch.Tensor subclass ({type_name(got)}): return a plain tensor")
 
 
 def _shape_hint(got: tuple, want: tuple) -> str:
@@ -598,8 +609,52 @@ def expect_equal(got: Any, expected: Any, *, what: str = "your result", returned
         raise ExerciseFailed(f"{what} is {a_type(got)}, expected a Python {type(expected).__name__}: convert it with {type(expected).__name__}(...)")
     if type(got) is not type(expected):
         raise ExerciseFailed(f"{what} is {a_type(got)} ({_short_repr(got)}), expected {a_type(expected)}")
+    inner = _type_mismatch(got, expected)
+    if inner:
+        raise ExerciseFailed(f"{what} holds {a_type(inner[0])} ({_short_repr(inner[0])}) where {a_type(inner[1])} belongs: "
+                             "return plain values")
     if got != expected:
         raise ExerciseFailed(f"{what}: expected {expected!r}, got {_short_repr(got)}")
+
+
+def learner_module(name: str | None) -> bool:
+    """True for the notebook's own namespace (__main__) and for a module imported from the learner's folder.
+
+    Decided by the module, not by where its file is: a library installed in a folder that
+    sysconfig does not list must never be taken for the learner's code.
+    """
+    if name in (None, "__main__"):
+        return True
+    import sys
+
+    file = getattr(sys.modules.get(name), "__file__", None)
+    if not file:
+        return False
+    folder = os.path.realpath(os.getcwd()) + os.sep
+    real = os.path.realpath(file)
+    course = str(Path(__file__).resolve().parents[1]) + os.sep
+    return real.startswith(folder) and not real.startswith(course) and "site-packages" not in real
+
+
+def _type_mismatch(got: Any, expected: Any) -> tuple[Any, Any] | None:
+    """(got's item, expected's item) for the first item inside a tuple, list or dict of a learner's class, else None.
+
+    Equality of containers asks their items, and a subclass's __eq__ would answer for the
+    learner's items: so no item may be of a class the learner defined where another type belongs.
+    """
+    if type(got) is not type(expected):
+        return (got, expected) if learner_module(type(got).__module__) else None
+    if isinstance(expected, (tuple, list)) and len(got) == len(expected):
+        pairs = list(zip(got, expected))
+    elif isinstance(expected, dict):
+        key_types = {type(k) for k in expected}
+        odd_key = next((k for k in got if type(k) not in key_types and learner_module(type(k).__module__)), None)
+        if odd_key is not None and expected:
+            return odd_key, next(iter(expected))
+        pairs = [(got[k], expected[k]) for k in got if k in expected]
+    else:
+        return None
+    return next((found for a, b in pairs if (found := _type_mismatch(a, b))), None)
 
 
 def _short_repr(value: Any, limit: int = 60) -> str:
@@ -644,6 +699,7 @@ def expect_shape(got: Any, shape: Sequence[int], *, what: str = "your result") -
     """Check only that `got` is a tensor of the given shape."""
     if not isinstance(got, torch.Tensor):
         raise ExerciseFailed(f"{what} is {a_type(got)}, expected a torch.Tensor")
+    expect_plain_tensor(got, what=what)
     if tuple(got.shape) != tuple(shape):
         raise ExerciseFailed(f"{what}: expected shape {tuple(shape)}, got {tuple(got.shape)}{_shape_hint(tuple(got.shape), tuple(shape))}")
 

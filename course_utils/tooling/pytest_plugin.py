@@ -14,13 +14,20 @@ What it adds to an nbval run:
 - stderr (warnings) never fails an output comparison;
 - after a non-exercise cell fails, the rest of that notebook is skipped, not cascaded;
 - `--course-strict-warnings` fails a cell that prints a DeprecationWarning or FutureWarning;
-- `--course-report FILE` writes the scoreboard as JSON, with the seconds each exercise's cells took.
+- `--course-report FILE` writes the scoreboard as JSON, with the seconds each exercise's cells took
+  and the routes to fool the checker that the run saw ("review"), for an instructor to look at;
+- a check passes only on the verdict record that the course's check published in its cell
+  (checkcell.publish, with a nonce this plugin put into the cell): a check cell that merely did
+  not raise, because the checker was patched or bypassed, fails;
+- nbval's tags and comment markers (raises-exception, skip, NBVAL_RAISES_EXCEPTION...) on an
+  exercise's cells are ignored: the course's checks run as the course defines them.
 """
 
 import glob
 import json
 import os
 import re
+import secrets
 import sys
 import tempfile
 import time
@@ -31,6 +38,7 @@ import pytest
 
 from course_utils.tooling.verdicts import SYMBOL
 from course_utils.tooling.layout import CourseError, exercises, lesson_of
+from course_utils.tooling.tamper import NO_VERDICT, RECORD_MIME, FORGE
 
 CHECK_TAG = "check:"
 EXERCISE_TAG = "exercise:"
@@ -205,7 +213,21 @@ def _cuda_available() -> bool:
 
 
 def _drop_stderr(outputs: list) -> list:
-    return [o for o in outputs if not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
+    """The outputs nbval compares: neither stderr (warnings) nor the checker's verdict records."""
+    return [o for o in outputs if not (o.get("output_type") == "stream" and o.get("name") == "stderr") and not _record_of(o)]
+
+
+def _record_of(output: dict) -> dict | None:
+    """The verdict record a check published in this output, if it is one."""
+    data = output.get("data") if output.get("output_type") == "display_data" else None
+    record = data.get(RECORD_MIME) if isinstance(data, dict) else None
+    return record if isinstance(record, dict) else None
+
+
+def _course_options(item: pytest.Item) -> None:
+    """Undo nbval's options that a learner's tags or comment markers set on an exercise's cells: they run, and an error fails them."""
+    item.options["skip"] = False
+    item.options["check_exception"] = False
 
 
 def _rename(item: pytest.Item, name: str) -> None:
@@ -218,9 +240,10 @@ def _rename(item: pytest.Item, name: str) -> None:
     item.reportinfo = lambda: (item.path, 0, description)
 
 
-def verdict_source(lesson: str, exercise: str) -> str:
+def verdict_source(lesson: str, exercise: str, nonce: str | None = None) -> str:
     """What the checker runs in place of a check cell (one line, so that no name is left behind)."""
-    return f'__import__("course_utils.tooling.checkcell", fromlist=["run"]).run({lesson!r}, {exercise!r}, globals())'
+    extra = f", {nonce!r}" if nonce else ""
+    return f'__import__("course_utils.tooling.checkcell", fromlist=["run"]).run({lesson!r}, {exercise!r}, globals(){extra})'
 
 
 class MissingCheck(pytest.Item):
@@ -252,7 +275,7 @@ def _new_exercise_reason(lesson: str) -> str:
 
 def _notebook(item: pytest.Item) -> dict:
     return item.config._course_results.setdefault(
-        str(item.parent.path), {"lesson": None, "exercises": {}, "stopped_at": None, "seconds": {}})
+        str(item.parent.path), {"lesson": None, "exercises": {}, "stopped_at": None, "seconds": {}, "review": []})
 
 
 def _results(item: pytest.Item) -> dict:
@@ -300,13 +323,16 @@ def _prepare_notebook(nbfile, cells: list[pytest.Item]) -> list[pytest.Item]:
         if check:
             item.course_exercise = item.course_check = check
             _rename(item, f"check {check}")
+            _course_options(item)
             record["exercises"].setdefault(check, {"status": "not run", "reason": "the check cell did not run"})
             if check in known:
-                item.cell.source = verdict_source(lesson, check)
+                item.course_nonce = secrets.token_hex(16)
+                item.cell.source = verdict_source(lesson, check, item.course_nonce)
                 seen.add(check)
         elif code:
             item.course_exercise = code
             _rename(item, f"exercise {code} (your code)")
+            _course_options(item)
         if GPU_TAG in item.cell.metadata.get("tags", []):
             item.options["check"] = False  # CPU and GPU runs print different things
             if not _cuda_available():
@@ -416,10 +442,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         seconds[exercise] = seconds.get(exercise, 0.0) + report.duration
     stopped = _interrupted(item, call) if report.failed else None
     kernel_ok = item.parent.kernel is not None and item.parent.kernel.is_alive()
+    if is_check and getattr(item, "course_nonce", None) and not stopped:
+        _judge_by_record(item, report)
     if stopped:
         item.parent.timed_out = False  # nbval would mark every later cell as an expected failure
     if report.failed and exercise:
-        status, reason = ("failed", stopped) if stopped else _exercise_message(item)
+        status, reason = ("failed", stopped) if stopped else getattr(item, "course_record", None) or _exercise_message(item)
         report.longrepr = f"{exercise} {status}: {reason}"
         results = _results(item)
         if is_check:
@@ -455,6 +483,35 @@ def _kernel_did_not_start(item: pytest.Item, call: pytest.CallInfo) -> None:
             verdict["reason"] = f"not run: {record['error']}; run the check again"
 
 
+def _judge_by_record(item: pytest.Item, report: pytest.TestReport) -> None:
+    """Let the check's verdict record decide: a pass needs one; a record that is not a pass fails the cell with its reason.
+
+    Sets item.course_record to (status, reason) when the cell must fail for it. Records without
+    the cell's nonce, or for another exercise, were not published by the course's check.
+    """
+    records = [r for r in map(_record_of, item.test_outputs or []) if r is not None]
+    genuine = [r for r in records if r.get("nonce") == item.course_nonce and r.get("exercise") == item.course_exercise]
+    for route in (r for g in genuine for r in g.get("review", []) if isinstance(r, str)):
+        _add_review(item, route)
+    if len(genuine) < len(records):
+        _add_review(item, f"{FORGE}: a record the check did not publish ({item.course_exercise})")
+    not_passed = [r for r in genuine if r.get("status") != "passed"]
+    if not_passed:
+        item.course_record = (str(not_passed[0].get("status")), str(not_passed[0].get("reason", "")))
+    elif not genuine and report.passed:
+        _add_review(item, f"{NO_VERDICT}: {item.course_exercise}")
+        item.course_record = ("failed", "the check did not report a verdict: was the checker patched or bypassed?")
+    if getattr(item, "course_record", None) and report.passed:
+        report.outcome = "failed"
+
+
+def _add_review(item: pytest.Item, route: str) -> None:
+    """Name a route to fool the checker in the notebook's report, once."""
+    review = _notebook(item)["review"]
+    if route not in review:
+        review.append(route)
+
+
 def _stop_notebook(item: pytest.Item, why: str) -> None:
     item.parent.course_broken = f"{why.split(':')[0]} failed earlier in this notebook"
     _notebook(item)["stopped_at"] = why
@@ -483,6 +540,7 @@ def scoreboard_lines(results: dict[str, dict]) -> list[str]:
             lines.append(f"  stopped early at {result['stopped_at']}; the cells after it did not run")
         if result.get("error"):
             lines.append(f"  the checker failed, not your notebook: {result['error']}; run the check again")
+        lines += [f"  needs review: {route}" for route in result.get("review", [])]
     return lines
 
 
@@ -494,6 +552,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             "stopped_at": nb["stopped_at"],
             "seconds": {name: round(s, 2) for name, s in nb.get("seconds", {}).items()},
             **({"error": nb["error"]} if nb.get("error") else {}),
+            "review": list(nb.get("review", [])),
         }
         for path, nb in config._course_results.items()
     }
