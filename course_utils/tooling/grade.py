@@ -451,6 +451,8 @@ def validate(folder: str, *, out: str | None, html_out: str | None, feedback: st
     if sandboxed and not sandbox.bwrap_path():
         raise CourseError("grading needs bubblewrap (bwrap) to keep each submission in a sandbox: "
                           "install it (Debian/Ubuntu: `sudo apt-get install bubblewrap`), or grade with --no-sandbox (unsafe)")
+    if sandboxed and (why := sandbox.problem()):
+        raise CourseError(f"{why}; or grade with --no-sandbox (unsafe)")
 
 
 def _merge_retried(previous, regraded):
