@@ -29,9 +29,9 @@ CLASSMATE_TEXT = f"classmate-answer-{os.getpid()}"
 
 
 def with_cell(nb, code: str):
-    """The notebook with a code cell of the student's own put before its first exercise."""
-    first = next(i for i, c in enumerate(nb.cells) if any(t.startswith("exercise:") for t in c.metadata.get("tags", [])))
-    nb.cells.insert(first, nbformat.v4.new_code_cell(code))
+    """The notebook with a code cell of the student's own put right after add_one's exercise cell (so it can redefine add_one)."""
+    exercise = next(i for i, c in enumerate(nb.cells) if "exercise:add_one" in c.metadata.get("tags", []))
+    nb.cells.insert(exercise + 1, nbformat.v4.new_code_cell(code))
     return nb
 
 
