@@ -316,6 +316,18 @@ def test_a_sandbox_that_does_not_start_is_retried_once_then_an_error(tmp_path, m
                                  "bwrap: Creating new namespace failed: Operation not permitted; grade this submission again")
 
 
+def test_a_sandbox_that_cannot_be_set_up_is_an_error_and_grading_goes_on(tmp_path, monkeypatch):
+    def refusing(argv, **kwargs):
+        raise RuntimeError("bwrap cannot make a sandbox on this machine (setting up uid map: Permission denied)")
+
+    monkeypatch.setattr(sandbox, "command", refusing)
+    nbformat.write(solved("00"), tmp_path / "ada.ipynb")
+    rows = grade.Grader(grade.Settings()).grade(tmp_path / "ada.ipynb", "ada.ipynb")
+    assert {r["status"] for r in rows} == {"error"}
+    assert rows[0]["reason"] == ("the grader failed, not the submission: the grading process could not be started: bwrap cannot make "
+                                 "a sandbox on this machine (setting up uid map: Permission denied); grade this submission again")
+
+
 def test_retry_errors_regrades_only_the_error_rows(tmp_path):
     folder, out = tmp_path / "class", tmp_path / "out"
     folder.mkdir()

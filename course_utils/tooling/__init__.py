@@ -7,6 +7,9 @@
 - layout: where the course's files are, and each lesson's exercises;
 - build: source notebooks -> the course's learner copies;
 - workspace: the learner's own copies in work/ (made, reset, restored);
+- grade, gradebook: a class graded (each submission in a sandbox), and the gradebook's tables, page and feedback;
+- sandbox: the bubblewrap sandbox a graded submission runs in;
+- tamper: a static scan of a submission for routes to fool the checker, named for review;
 - timings, classroom: the README's course map, static HTML for a classroom;
 - cli: `python -m course_utils ...`.
 """

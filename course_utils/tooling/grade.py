@@ -41,7 +41,7 @@ from pathlib import Path
 
 from course_utils.tooling import sandbox
 from course_utils.tooling.gradebook import COLUMNS, STATUSES, format_summary, html_report, write_atomic, write_feedback  # noqa: F401
-from course_utils.tooling.layout import CourseError, exercises, lesson_of, read_notebook_json, shown, source_for
+from course_utils.tooling.layout import CourseError, exercises, lesson_of, read_notebook_json, root, shown, source_for
 from course_utils.tooling.runner import become_subreaper, guarded, kill_descendants, read_all
 
 SUBMISSION_TIMEOUT = 900  # seconds for a whole submission, on top of the checker's limits per cell
@@ -207,23 +207,22 @@ class Grader:
         read_end, write_end = os.pipe()
         reader = read_all(read_end)
         child = [sys.executable, "-m", "course_utils.tooling.grade", str(copy), f"--result-fd={write_end}", *_child_options(settings)]
-        env = dict(settings.env)
-        if settings.threads:  # a few kernels share the cores: one thread pool each, not one per core each
-            env.setdefault("OMP_NUM_THREADS", str(settings.threads))
-        if settings.sandboxed:
-            command, env = sandbox.command(child, workdir=workdir, env=env, hide=settings.hide, keep_fds=[write_end]), None
-        else:
-            command, env = guarded(child), {**os.environ, **env}
-        with tempfile.TemporaryFile("w+") as err:
-            try:
-                with self._lock:
-                    if self.stopping:
-                        return {"failed": "grading was interrupted"}
-                    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=err, stderr=err, text=True,
-                                            env=env, cwd=workdir, pass_fds=(write_end,))
-                    self._running.add(proc)
-            finally:
-                os.close(write_end)
+        err = tempfile.TemporaryFile("w+")  # a file, not a pipe: nothing left holding it can keep this call waiting
+        try:
+            command, env = self._command(child, workdir, settings, write_end)
+            with self._lock:
+                if self.stopping:
+                    err.close()
+                    return {"failed": "grading was interrupted"}
+                proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=err, stderr=err, text=True,
+                                        env=env, cwd=workdir, pass_fds=(write_end,))
+                self._running.add(proc)
+        except (OSError, RuntimeError) as failure:  # the sandbox could not be set up, or the process not started
+            err.close()
+            return {"machinery": f"the grading process could not be started: {failure}"}
+        finally:
+            os.close(write_end)  # the child holds its own copy; the reader sees EOF once the child is gone
+        with err:
             try:
                 proc.wait(timeout=settings.timeout + 60)  # the child keeps its own limit; this is a backstop
             except subprocess.TimeoutExpired:
@@ -236,12 +235,24 @@ class Grader:
                 reader.join(10)
             err.seek(0)
             stderr = err.read()
-        if reader.text:
-            return json.loads(reader.text)
         if self.stopping:
             return {"failed": "grading was interrupted"}
-        where = "the sandbox did not start or" if settings.sandboxed else "the grading process"
-        return {"machinery": f"{where} crashed (exit {proc.returncode}): {_last_line(stderr)}"}
+        try:
+            return json.loads(reader.text)
+        except json.JSONDecodeError:
+            where = "the sandbox did not start or" if settings.sandboxed else "the grading process"
+            return {"machinery": f"{where} crashed (exit {proc.returncode}): {_last_line(stderr)}"}
+
+    @staticmethod
+    def _command(child: list[str], workdir: Path, settings: Settings, result_fd: int) -> tuple[list[str], dict | None]:
+        """The command line and environment of one grading process: in its sandbox, or (--no-sandbox) guarded."""
+        env = dict(settings.env)
+        if settings.threads:  # a few kernels share the cores: one thread pool each, not one per core each
+            env.setdefault("OMP_NUM_THREADS", str(settings.threads))
+        if not settings.sandboxed:
+            return guarded(child), {**os.environ, **env}
+        env.setdefault("PYTHONPATH", str(root()))  # the same course inside as the grader's, whatever the editable install says
+        return sandbox.command(child, workdir=workdir, env=env, hide=settings.hide, keep_fds=[result_fd]), None
 
     def stop(self) -> None:
         """Kill every submission being graded (each child takes its checker and kernel with it)."""
