@@ -300,19 +300,24 @@ def gone(marker: str) -> bool:
     return wait_for(lambda: not with_marker(f"{marker}-hopper") and not with_marker(f"{marker}-setsid"), 5)
 
 
+def kill_all(find) -> None:
+    """SIGKILL the processes find() names until none is left (a fork-hopper changes pid)."""
+    for _ in range(50):
+        pids = find()
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
+
+
 @pytest.fixture
 def marker():
     """A unique word for this test's processes; any still running at the end (the test failed) are killed."""
     word = f"escaper-{uuid.uuid4().hex}"
     yield word
-    for _ in range(50):  # a fork-hopper changes pid: kill until none is left
-        pids = with_marker(word)
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.02)
+    kill_all(lambda: with_marker(word))
 
 
 def test_nothing_outlives_the_first_process(workdir, marker):
@@ -589,14 +594,7 @@ def grader_user():
     try:
         yield user
     finally:
-        for _ in range(50):  # a fork-hopper changes pid: kill until none is left
-            pids = processes_of(user.pw_uid)
-            if not pids:
-                break
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.02)
+        kill_all(lambda: processes_of(user.pw_uid))
         subprocess.run([shutil.which("userdel", path=ADMIN_PATH), name], check=True)
 
 
