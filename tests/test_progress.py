@@ -218,6 +218,7 @@ def test_progress_table_names_missing_and_unreadable_notebooks(work):
     assert problems[0].endswith(f"{sources[0].name} does not exist")
     assert "truncated" in problems[1]
     assert table.loc[sources[2].stem, "failing"] == "(notebook unreadable)"
+    assert table.loc[sources[0].stem, "failing"] == "(not made yet)"  # missing is not unreadable
     text = progress.format_progress(table)
     assert text.splitlines()[-2].startswith("problem: ") and text.splitlines()[-1].startswith("problem: ")
 

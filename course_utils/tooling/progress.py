@@ -251,12 +251,14 @@ def progress_rows(folder: Path | None = None) -> tuple[list[dict], list[str]]:
             "failed": counts["failed"],
             "not checked": counts["not run"],
             "total": len(names),
-            "failing": ", ".join(n for n, s in statuses.items() if s == "failed") or _problem_label(unreadable, problem),
+            "failing": ", ".join(n for n, s in statuses.items() if s == "failed") or _problem_label(folder / source.name, unreadable, problem),
         })
     return rows, problems
 
 
-def _problem_label(unreadable: str | None, problem: str | None) -> str:
+def _problem_label(path: Path, unreadable: str | None, problem: str | None) -> str:
+    if not path.exists():
+        return "(not made yet)"  # before `make lab` or `workspace` makes it: nothing is wrong with it
     if unreadable:
         return "(notebook unreadable)"
     return "(holds another lesson)" if problem else ""
