@@ -87,6 +87,20 @@ for entry in pathlib.Path("/proc").glob("[0-9]*"):
             pass
         os.kill(int(entry.name), signal.SIGKILL)
 """,
+        "selfkill.ipynb": """
+import json, os, pathlib, signal
+checker = os.getppid()
+argv = pathlib.Path(f"/proc/{checker}/cmdline").read_bytes().split(b"\\0")
+if b"--course-report" in argv:
+    report = argv[argv.index(b"--course-report") + 1].decode().replace("/dev/fd/", f"/proc/{checker}/fd/")
+    passed = {"status": "passed", "reason": ""}
+    fake = {"x": {"lesson": "00", "exercises": {"add_one": passed, "draw": passed}, "stopped_at": None}}
+    try:
+        pathlib.Path(report).write_text(json.dumps(fake))
+    except OSError as err:
+        print("could not forge the report:", type(err).__name__)
+os.kill(checker, signal.SIGKILL)
+""",
         "editor.ipynb": f"""
 import subprocess, sys
 code = '''
@@ -162,15 +176,8 @@ def honest_classmates(folder: Path) -> None:
     nbformat.write(wrong, folder / "cy.ipynb")
 
 
-@pytest.fixture(scope="module")
-def hostile(tmp_path_factory):
-    """The honest pair graded alone, then with the hostile class; returns both gradebooks and what was seen after."""
-    alone, alone_out = tmp_path_factory.mktemp("alone"), tmp_path_factory.mktemp("alone-out")
-    honest_classmates(alone)
-    assert grade(alone, alone_out).returncode == 0
-    graded_alone, _ = read_rows(alone_out)
-
-    folder, out = tmp_path_factory.mktemp("class"), tmp_path_factory.mktemp("out")
+def write_class(folder: Path, out: Path) -> None:
+    """The honest pair, every attack, and an untouched notebook whose check cells are tagged raises-exception."""
     honest_classmates(folder)
     for name, code in attacks(folder, out).items():
         nbformat.write(with_cell(learner("00"), code), folder / name)
@@ -180,10 +187,28 @@ def hostile(tmp_path_factory):
             cell.metadata["tags"] = [*cell.metadata["tags"], "raises-exception"]
     nbformat.write(tagged, folder / "tagger.ipynb")
 
+
+def graded_alone(tmp_path_factory, folder: Path) -> dict[str, dict[str, tuple[str, str]]]:
+    """Each submission of the class graded in a run of its own."""
+    alone = {}
+    for submission in sorted(folder.iterdir()):
+        single, out = tmp_path_factory.mktemp("alone"), tmp_path_factory.mktemp("alone-out")
+        (single / submission.name).write_bytes(submission.read_bytes())
+        assert grade(single, out).returncode == 0
+        alone.update(read_rows(out)[0])
+    return alone
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    """Every submission graded alone, then the whole class together; returns both gradebooks and what was seen after."""
+    folder, out = tmp_path_factory.mktemp("class"), tmp_path_factory.mktemp("out")
+    write_class(folder, out)
     lesson00 = course_root() / "course_utils" / "lesson00.py"
     original = lesson00.read_bytes()
     before = course_files()
     try:
+        alone = graded_alone(tmp_path_factory, folder)
         run = grade(folder, out)
     finally:
         changed = course_files() != before
@@ -192,7 +217,7 @@ def hostile(tmp_path_factory):
     time.sleep(4)  # the editor's process would write 3 s after grading ended
     assert run.returncode == 0, run.stdout + run.stderr
     graded, rows = read_rows(out)
-    return {"alone": graded_alone, "graded": graded, "rows": rows, "run": run, "out": out, "folder": folder,
+    return {"alone": alone, "graded": graded, "rows": rows, "run": run, "out": out, "folder": folder,
             "course changed": changed, "csv right after": csv_right_after}
 
 
@@ -201,9 +226,8 @@ def test_the_course_files_are_unchanged(hostile):
     assert "could not rewrite" not in hostile["run"].stdout  # a cell's print never reaches the grader's output
 
 
-def test_honest_classmates_are_graded_as_if_alone(hostile):
-    for name in ("ada.ipynb", "cy.ipynb"):
-        assert hostile["graded"][name] == hostile["alone"][name]
+def test_every_submission_is_graded_as_if_it_were_alone(hostile):
+    assert hostile["graded"] == hostile["alone"]
     assert {s for s, _ in hostile["graded"]["ada.ipynb"].values()} == {"pass"}
 
 
@@ -245,3 +269,12 @@ def test_the_gradebook_is_not_edited_after_grading(hostile):
 def test_every_row_says_it_was_sandboxed(hostile):
     assert {r["sandbox"] for r in hostile["rows"]} == {"bwrap"}
     assert {r["review"] for r in hostile["rows"] if r["submission"] in ("ada.ipynb", "cy.ipynb")} == {""}
+
+
+def test_a_forged_report_and_a_killed_checker_fail_and_are_flagged(hostile):
+    rows = [r for r in hostile["rows"] if r["submission"] == "selfkill.ipynb"]
+    assert [r["exercise"] for r in rows] == ["add_one", "draw"]
+    for r in rows:
+        assert r["status"] == "failed"
+        assert r["reason"] == "the checker was killed by SIGKILL while the notebook ran: the notebook's code stopped the checker"
+        assert "the checker was killed from inside the submission" in r["review"]
