@@ -237,8 +237,10 @@ def test_no_fake_pass(hostile):
             assert "pass" not in {status for status, _ in verdicts.values()}, (name, verdicts)
 
 
-def test_the_raises_exception_tag_changes_nothing(hostile):
+def test_the_raises_exception_tag_changes_nothing_and_is_named_for_review(hostile):
     assert {s for s, _ in hostile["graded"]["tagger.ipynb"].values()} == {"not attempted"}
+    reviews = {r["review"] for r in hostile["rows"] if r["submission"] == "tagger.ipynb"}
+    assert len(reviews) == 1 and reviews.pop().startswith("nbval tags or markers on an exercise or check cell")
 
 
 def test_nothing_leaked_into_the_gradebook(hostile):

@@ -131,6 +131,11 @@ def test_format_summary_without_errors_has_no_hint():
     assert "--retry-errors" not in text
 
 
+def test_html_headline_highlights_only_counts_above_zero():
+    page = gradebook.html_report(_table().iloc[:4], "Gradebook")
+    assert "<b>2 submissions</b>: 0 need review, 0 had a grader error." in page
+
+
 def test_format_summary_warns_without_the_sandbox():
     table = _table()
     table.loc[table["submission"].isin(["a", "b"]), "sandbox"] = "none"

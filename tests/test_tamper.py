@@ -136,6 +136,28 @@ def test_scan_of_every_course_notebook_is_empty(folder):
         assert tamper.scan(json.loads(path.read_text())) == [], path.name
 
 
+@pytest.mark.parametrize("tags, source, expected", [
+    (["check:add_one", "raises-exception"], "lesson00.check_add_one(add_one)", ["raises-exception"]),
+    (["exercise:add_one", "nbval-skip", "skip"], "def add_one(x): ...", ["nbval-skip", "skip"]),
+    (["check:draw"], "# NBVAL_RAISES_EXCEPTION\nlesson00.check_draw(draw)", ["NBVAL_RAISES_EXCEPTION"]),
+    (["check:draw"], "  #  NBVAL_SKIP  \nlesson00.check_draw(draw)", ["NBVAL_SKIP"]),
+    (["check:draw", "nbval-ignore-output"], "# NBVAL_IGNORE_OUTPUT\nlesson00.check_draw(draw)", []),  # the course's own; changes no verdict
+    (["raises-exception"], "1 / 0", []),  # a pitfall cell of the learner's own may raise
+    ([], "# NBVAL_SKIP\nx = 1", []),
+    (["check:draw"], "lesson00.check_draw(draw)  # NBVAL_SKIP later on the line is no marker", []),
+])
+def test_verdict_tags_only_on_exercise_and_check_cells(tags, source, expected):
+    assert tamper.verdict_tags(tags, source) == expected
+
+
+def test_scan_names_nbval_tags_on_check_cells():
+    nb = json.loads(nbformat.writes(tagged(["raises-exception"])))
+    found = tamper.scan(nb)
+    assert found and all(line.startswith(f"{tamper.NBVAL_TAGS}: raises-exception (Cell ") for line in found)
+    assert len(found) == 4  # lesson 00's two exercise cells and their two check cells
+    assert tamper.routes(found) == {tamper.NBVAL_TAGS}
+
+
 def test_scan_survives_odd_notebooks():
     assert tamper.scan({"cells": []}) == []
     assert tamper.scan({"cells": [{"cell_type": "code", "source": ["%%bash\n", "kill -9 1\n"]}, "junk", {"cell_type": "markdown"}]}) == []
@@ -272,10 +294,10 @@ NO_VERDICT_REASON = "the check did not report a verdict: was the checker patched
 
 ATTACKS = {
     # name: (notebook, {exercise: (status, reason or None)}, route named in review or None, static route or None)
-    "raises-exception tag": (tagged(["raises-exception"]), "not attempted", None, None),
-    "skip tags": (tagged(["skip", "nbval-skip", "nbval-ignore-output"]), "not attempted", None, None),
-    "raises marker": (with_markers(["# NBVAL_RAISES_EXCEPTION"]), "not attempted", None, None),
-    "skip marker": (with_markers(["# NBVAL_SKIP", "# NBVAL_IGNORE_OUTPUT"]), "not attempted", None, None),
+    "raises-exception tag": (tagged(["raises-exception"]), "not attempted", None, tamper.NBVAL_TAGS),
+    "skip tags": (tagged(["skip", "nbval-skip", "nbval-ignore-output"]), "not attempted", None, tamper.NBVAL_TAGS),
+    "raises marker": (with_markers(["# NBVAL_RAISES_EXCEPTION"]), "not attempted", None, tamper.NBVAL_TAGS),
+    "skip marker": (with_markers(["# NBVAL_SKIP", "# NBVAL_IGNORE_OUTPUT"]), "not attempted", None, tamper.NBVAL_TAGS),
     "checker_running": (after_exercise("from course_utils.tooling import verdicts\nverdicts.checker_running = lambda: False"),
                         "not attempted", tamper.PATCH, tamper.PATCH),
     "Verdict.passed": (after_exercise("from course_utils.tooling.verdicts import Verdict\nVerdict.passed = property(lambda self: True)"),

@@ -304,9 +304,11 @@ def _headline_html(table, folder: str) -> str:
     """The banner when the sandbox was off, then the counts."""
     counts = class_counts(table)
     banner = f'<div class="banner">{html.escape(sandbox_warning(counts))}</div>\n' if counts["unsandboxed"] else ""
-    text = (f"<b>{counts['submissions']} submissions</b>: "
-            f'<span class="review">{counts["review"]} need review</span>, '
-            f'<span class="error">{counts["errors"]} had a grader error</span>.')
+    def count(key: str, words: str) -> str:  # highlighted only when there is something to look at
+        text = f"{counts[key]} {words}"
+        return f'<span class="{key.rstrip("s")}">{text}</span>' if counts[key] else text
+
+    text = f"<b>{counts['submissions']} submissions</b>: {count('review', 'need review')}, {count('errors', 'had a grader error')}."
     if counts["errors"]:
         text += f" Grader errors are not the students' fault; grade those again: <code>{html.escape(retry_command(folder))}</code>"
     return f'{banner}<p class="headline">{text}</p>'

@@ -26,6 +26,7 @@ KILL = "kills or signals other processes"
 EXEC = "dynamic code execution"
 FORGE = "forges a verdict record"
 NO_VERDICT = "the check reported no verdict (checker patched or bypassed)"
+NBVAL_TAGS = "nbval tags or markers on an exercise or check cell (the checker ignores them)"
 
 RECORD_MIME = "application/vnd.course.verdict+json"
 
@@ -50,6 +51,9 @@ EXEC_NAMES = {"exec", "eval"}
 PYTHON_CELL_MAGICS = {"gpu", "capture", "time", "timeit", "prun", "debug"}
 PYTHON_LINE_MAGICS = {"time", "timeit", "prun", "debug"}
 LESSON_MODULE = re.compile(r"^course_utils\.lesson(\d\d)$")
+# What would let nbval pass a cell that raised, or skip it; the course's own exercise and check cells carry none.
+VERDICT_TAGS = {"raises-exception", "nbval-raises-exception", "skip", "nbval-skip"}
+VERDICT_MARKERS = re.compile(r"^\s*#\s*(NBVAL_RAISES_EXCEPTION|NBVAL_SKIP)\s*$", re.M)
 
 
 def exercise_names(lesson: str) -> set[str]:
@@ -424,6 +428,9 @@ def scan(nb: dict) -> list[str]:
     found: list[str] = []
     cells = [c for c in nb.get("cells", []) if isinstance(c, dict) and c.get("cell_type") == "code"]
     for number, cell in enumerate(cells):
+        tags = verdict_tags(cell_tags(cell), cell_source(cell))
+        if tags:
+            found.append(f"{NBVAL_TAGS}: {', '.join(tags)} (Cell {number})")
         tree = parse(cell_source(cell))
         if tree is None:
             continue
@@ -437,6 +444,13 @@ def scan(nb: dict) -> list[str]:
                 seen.add(route)
                 found.append(f"{route}: {detail} (Cell {number})")
     return found
+
+
+def verdict_tags(tags: list[str], source: str) -> list[str]:
+    """The nbval tags and comment markers on an exercise or check cell that would change how nbval judges it."""
+    if not any(t.startswith(("exercise:", "check:")) for t in tags):
+        return []
+    return sorted({t for t in tags if t in VERDICT_TAGS} | set(VERDICT_MARKERS.findall(source)))
 
 
 def _lesson(nb: dict) -> str | None:
@@ -464,5 +478,6 @@ def _learn_lessons(tree: ast.Module, scanner: Scanner) -> None:
 
 def routes(findings: list[str]) -> set[str]:
     """The route labels of scan()'s findings."""
-    labels = (REFERENCE, CHECKER, FRAMES, OBJECT_GRAPH, PATCH, BUILTINS, IPYTHON, SUBCLASS, TORCH_PATCH, KILL, EXEC, FORGE, NO_VERDICT)
+    labels = (REFERENCE, CHECKER, FRAMES, OBJECT_GRAPH, PATCH, BUILTINS, IPYTHON, SUBCLASS, TORCH_PATCH, KILL, EXEC, FORGE, NO_VERDICT,
+              NBVAL_TAGS)
     return {label for label in labels for line in findings if line.startswith(label + ":") or line == label}
