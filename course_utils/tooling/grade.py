@@ -42,7 +42,7 @@ from pathlib import Path
 from course_utils.tooling import sandbox
 from course_utils.tooling.gradebook import COLUMNS, STATUSES, format_summary, html_report, write_atomic, write_feedback  # noqa: F401
 from course_utils.tooling.layout import CourseError, exercises, lesson_of, read_notebook_json, root, shown, source_for
-from course_utils.tooling.runner import become_subreaper, guarded, kill_descendants, read_all
+from course_utils.tooling.runner import become_subreaper, guarded, kill_descendants, not_dumpable, read_all
 
 SUBMISSION_TIMEOUT = 900  # seconds for a whole submission, on top of the checker's limits per cell
 KERNEL_START = 60  # nbval's default limit for a kernel to start; a retry doubles it
@@ -291,10 +291,7 @@ def _unreadable_reason(err: CourseError, path: Path) -> str:
 def _keep_private(fd: int) -> None:
     """Nothing this process starts inherits fd, and no other process of this user can open it through /proc."""
     os.set_inheritable(fd, False)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0)  # PR_SET_DUMPABLE
+    not_dumpable()
 
 
 def _check_one(args) -> dict:

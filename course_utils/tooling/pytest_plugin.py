@@ -28,7 +28,6 @@ import json
 import os
 import re
 import secrets
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ import pytest
 
 from course_utils.tooling.verdicts import SYMBOL
 from course_utils.tooling.layout import CourseError, exercises, lesson_of
+from course_utils.tooling.runner import not_dumpable
 from course_utils.tooling.tamper import NO_VERDICT, RECORD_MIME, FORGE
 
 CHECK_TAG = "check:"
@@ -77,21 +77,10 @@ def pytest_configure(config: pytest.Config) -> None:
         # Show every deprecation, not only __main__'s.
         os.environ["PYTHONWARNINGS"] = "default::DeprecationWarning,default::FutureWarning"
     if config.getoption("course_report", None):
-        _not_dumpable()
+        # The scoreboard leaves through a pipe only this process holds: no notebook may open it through /proc.
+        not_dumpable()
     _watch_kernels_die()
     _kernels_over_ipc()
-
-
-def _not_dumpable() -> None:
-    """Keep processes of the same user (a notebook's code) out of /proc/PID/fd and /proc/PID/mem of this pytest.
-
-    The scoreboard leaves through a pipe only this process holds; without CAP_SYS_PTRACE (the
-    grading sandbox drops every capability) nothing else can open it or write into it.
-    """
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0)  # PR_SET_DUMPABLE
 
 
 def _watch_kernels_die() -> None:

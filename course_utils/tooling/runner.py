@@ -21,7 +21,7 @@ from pathlib import Path
 
 from course_utils.tooling.layout import CourseError
 
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 4, 36
 
 # Runs in the child before it becomes `command`: it dies with its parent, even a parent killed with SIGKILL.
 _SHIM = (
@@ -50,6 +50,18 @@ def become_subreaper() -> bool:
     import ctypes
 
     return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
+
+
+def not_dumpable() -> None:
+    """Keep other processes of this user (a notebook's code) out of this one's /proc/PID/fd and /proc/PID/mem (Linux).
+
+    Without CAP_SYS_PTRACE, which the grading sandbox drops, nothing else can then open a pipe
+    this process holds or write into its memory.
+    """
+    if _linux():
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0)
 
 
 def _children() -> dict[int, list[int]]:
