@@ -769,13 +769,6 @@ def test_no_deprecated_amp_call_in_code():
                 assert spelling not in cell.source, cell.source.splitlines()[0]
 
 
-def test_study_time_is_stated_in_the_metadata_and_at_the_top():
-    nb = _notebook()
-    minutes = nb.metadata["course"]["study_minutes"]
-    assert isinstance(minutes, int) and 30 <= minutes <= 240
-    assert f"Estimated study time: about {minutes} minutes" in nb.cells[0].source
-
-
 def test_the_learner_writes_the_central_apis():
     """The issue's list: the learner writes scaler.state_dict() into a checkpoint, loads it back, and a float32 region."""
     solutions = {tag.split(":", 1)[1]: cell.source for cell in _notebook().cells

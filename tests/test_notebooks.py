@@ -9,6 +9,7 @@ import sys
 import nbformat
 import pytest
 
+from course_utils.tooling import studytime
 from course_utils.tooling.build import BEGIN, END, learner_copy, solution_blocks, tag_source
 from course_utils.tooling.layout import exercises, learner_path, source_notebooks
 
@@ -176,9 +177,17 @@ def test_no_demo_cell_calls_an_exercise(source):
 
 @pytest.mark.parametrize("source", SOURCES, ids=IDS)
 def test_each_lesson_states_its_study_time(source):
-    """The estimate up top and the one in the metadata (which the README's course map shows) agree."""
+    """The first cell states the study time that the stated method (tooling.studytime) gives, for the core and the whole."""
     nb = nbformat.read(source, as_version=4)
-    minutes = nb.metadata.get("course", {}).get("study_minutes")
-    assert isinstance(minutes, int) and 10 <= minutes <= 180, f"{source.name}: metadata course.study_minutes is {minutes!r}"
-    first = next(c.source for c in nb.cells if c.cell_type == "markdown")
-    assert re.search(rf"Estimated study time: about {minutes} minutes", first), f"{source.name}: the first cell does not say 'Estimated study time: about {minutes} minutes'"
+    line = studytime.statement(studytime.estimate(nb))
+    assert line in studytime.first_markdown(nb).source, (
+        f"{source.name}: the first cell should say {line!r}: run `python -m course_utils.tooling.studytime --write {source}`")
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
+def test_each_lesson_has_a_core_path_of_at_most_90_minutes(source):
+    """A first pass through a lesson fits in about 90 minutes; the rest is marked *going further*."""
+    est = studytime.estimate(nbformat.read(source, as_version=4))
+    assert est.core <= studytime.CORE_LIMIT_MINUTES, (
+        f"{source.name}: its core path is estimated at {est.core} min (words, demo code lines, exercises: "
+        f"{est.words[0]}, {est.code_lines[0]}, {est.exercises[0]}): mark more sections *going further*")

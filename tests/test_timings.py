@@ -3,7 +3,7 @@
 import nbformat
 import pytest
 
-from course_utils.tooling import timings
+from course_utils.tooling import studytime, timings
 from course_utils.tooling.layout import source_notebooks
 
 
@@ -29,6 +29,7 @@ def test_lesson_facts_count_exercises_and_gpu_cells():
 
 def test_course_map_uses_measured_times(monkeypatch):
     """Every number in the table comes from time_lesson, i.e. from a run."""
+    monkeypatch.setattr(timings, "time_floor", lambda repeat: 4.0)
     monkeypatch.setattr(timings, "time_lesson", lambda source, repeat: {"nbval": 12.34, "check": 5.67})
     table = timings.course_map(repeat=2, log=None)
     rows = [line for line in table.splitlines() if line.startswith("| [")]
@@ -42,33 +43,38 @@ def test_readme_has_the_markers():
     assert timings.START in text and timings.END in text
 
 
-@pytest.mark.parametrize("metadata, shown", [
-    ({"study_minutes": 45}, "45 min"), ({"study_minutes": 90}, "1 h 30 min"), ({"study_minutes": 120}, "2 h"),
-    ({}, "?"), ({"study_minutes": "soon"}, "?"), ({"study_minutes": 0}, "?"), ({"study_minutes": True}, "?"),
-])
-def test_study_time_from_metadata(metadata, shown):
-    nb = nbformat.v4.new_notebook(metadata={"course": metadata})
-    assert timings.study_time(timings.study_minutes(nb)) == shown
-
-
-def test_course_map_has_a_study_time_column(monkeypatch, tmp_path):
-    """A lesson with `study_minutes` shows it; one without shows '?'."""
-    sources = source_notebooks()[:2]
-    patched = []
-    for source, minutes in zip(sources, (40, None)):
-        nb = nbformat.read(source, as_version=4)
-        nb.metadata["course"].pop("study_minutes", None)
-        if minutes:
-            nb.metadata["course"]["study_minutes"] = minutes
-        patched.append(tmp_path / source.name)
-        nbformat.write(nb, patched[-1])
-    monkeypatch.setattr(timings, "source_notebooks", lambda: patched)
-    monkeypatch.setattr(timings, "learner_path", lambda source: timings.root() / "notebooks" / source.name)
+def test_course_map_shows_the_estimated_study_time(monkeypatch):
+    """The study-time column is the stated method's core and whole estimates, read from each notebook."""
+    monkeypatch.setattr(timings, "time_floor", lambda repeat: 1.0)
     monkeypatch.setattr(timings, "time_lesson", lambda source, repeat: {"nbval": 1.0, "check": 2.0})
     lines = timings.course_map(repeat=1, log=None).splitlines()
-    assert lines[0] == "| lesson | topics | exercises | study time | nbval, CPU | checker | GPU cells |"
-    assert lines[2].endswith("| 40 min | 1.0 s | 2.0 s | 1 |")
-    assert "| ? | 1.0 s | 2.0 s |" in lines[3]
+    assert lines[0] == "| lesson | topics | exercises | study time, core / all | nbval, CPU | checker | GPU cells |"
+    for source, line in zip(source_notebooks(), lines[2:]):
+        est = studytime.estimate(nbformat.read(source, as_version=4))
+        assert f"| {studytime.shown(est.core)} / {studytime.shown(est.whole)} | 1.0 s | 2.0 s |" in line
+    assert "110 words a minute" in lines[-1] and "going further" in lines[-1]
+
+
+def test_floor_is_measured_in_the_same_run_and_stated(monkeypatch):
+    calls = []
+    monkeypatch.setattr(timings, "time_floor", lambda repeat: calls.append("floor") or 3.25)
+    monkeypatch.setattr(timings, "time_lesson", lambda source, repeat: calls.append(source.name) or {"nbval": 9.0, "check": 6.5})
+    logged = []
+    floor, times = timings.measure(source_notebooks()[:2], repeat=1, log=logged.append)
+    assert calls[0] == "floor" and floor == 3.25 and len(times) == 2
+    assert logged[1].endswith("checker 6.5 s (2.0x the floor)")
+
+
+def test_time_floor_runs_a_one_cell_notebook(monkeypatch):
+    seen = []
+
+    def fake_wall_time(command, env=None):
+        notebook = command[-1]
+        seen.append(nbformat.read(notebook, as_version=4).cells[0].source)
+        return 2.0, 0
+
+    monkeypatch.setattr(timings, "wall_time", fake_wall_time)
+    assert timings.time_floor(repeat=3) == 2.0 and seen == ["import torch"] * 3
 
 
 def test_refreshed_map_keeps_the_measured_times(tmp_path):
@@ -87,4 +93,4 @@ def test_refreshed_map_keeps_the_measured_times(tmp_path):
     assert lines[0] == timings.HEADER[0]
     assert "| 6.8 s | 6.2 s |" in lines[2] and "old topics" not in lines[2]
     assert lines[3].startswith(f"| [{second.name[:2]} ") and "| ? | ? |" in lines[3]  # no times yet for that lesson
-    assert lines[-1].startswith("Measured by someone. The whole course: 166 s. *Study time*")
+    assert lines[-1].startswith("Measured by someone. The whole course: 166 s. *Study time* is estimated")

@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p_html = sub.add_parser("html", help="render the solution notebooks to static HTML for the classroom")
     p_html.add_argument("--out", default=None, help="output folder (default: build/html)")
     p_time = sub.add_parser("timings", help="time every lesson under nbval and the checker; rewrite README's course map")
+    p_time.add_argument("lessons", nargs="*", help="time only these lessons, with the floor, and print the times (README is left alone)")
     p_time.add_argument("--repeat", type=int, default=3, help="runs per lesson (the median is reported)")
     p_time.add_argument("--no-write", action="store_true", help="print the table instead of writing README.md")
     p_time.add_argument("--keep-times", action="store_true",
@@ -211,8 +212,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {len(pages) - 1} lesson pages and {pages[0]}")
         return 0
     if args.command == "timings":
-        from course_utils.tooling.timings import course_map, refreshed_map, write_readme
+        from course_utils.tooling.timings import course_map, measure, refreshed_map, write_readme
 
+        if args.lessons:
+            measure([source_for(lesson) for lesson in args.lessons], args.repeat)
+            return 0
         table = refreshed_map() if args.keep_times else course_map(args.repeat)
         if args.no_write:
             print(table)

@@ -2,7 +2,10 @@
 
 `python -m course_utils timings` runs each solution notebook under nbval and the
 checker over it, `--repeat` times each, and records the medians, so that the
-README's numbers come from a run, never from typing.
+README's numbers come from a run, never from typing. In the same run it measures
+the *floor*: nbval on a one-cell notebook that imports torch (pytest, nbval, a
+kernel start and `import torch`, which every lesson pays), and prints each
+lesson's checker time as a multiple of it.
 """
 
 import os
@@ -14,9 +17,12 @@ import sys
 import time
 from pathlib import Path
 
+import tempfile
+
 import nbformat
 
 from course_utils.tooling.layout import learner_path, root, source_notebooks
+from course_utils.tooling.studytime import estimate, shown
 
 START, END = "<!-- course-map:start -->", "<!-- course-map:end -->"
 
@@ -28,12 +34,34 @@ def wall_time(command: list[str], env: dict | None = None) -> tuple[float, int]:
     return time.perf_counter() - start, code
 
 
+def _nbval_command(notebook: Path) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval", "--nbval-current-env",
+            "--course-strict-warnings", str(notebook)]
+
+
+def _env() -> dict:
+    return {k: v for k, v in os.environ.items() if k != "COURSE_CHECK_MODE"}
+
+
+def time_floor(repeat: int = 3) -> float:
+    """Median nbval time of a one-cell notebook that imports torch: what every lesson's run costs at least."""
+    with tempfile.TemporaryDirectory() as folder:
+        notebook = Path(folder) / "floor.ipynb"
+        nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import torch")]), notebook)
+        runs = []
+        for _ in range(repeat):
+            seconds, code = wall_time(_nbval_command(notebook), _env())
+            if code != 0:
+                raise RuntimeError("the one-cell floor notebook fails under nbval")
+            runs.append(seconds)
+    return statistics.median(runs)
+
+
 def time_lesson(source: Path, repeat: int = 3) -> dict:
     """Median nbval time of the solution copy, and median checker time on it, over `repeat` runs."""
-    nbval = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval", "--nbval-current-env",
-             "--course-strict-warnings", str(source)]
+    nbval = _nbval_command(source)
     check = [sys.executable, "-m", "course_utils", "check", str(source)]
-    env = {k: v for k, v in os.environ.items() if k != "COURSE_CHECK_MODE"}
+    env = _env()
     nbval_runs, check_runs = [], []
     for _ in range(repeat):
         seconds, code = wall_time(nbval, env)
@@ -44,18 +72,10 @@ def time_lesson(source: Path, repeat: int = 3) -> dict:
     return {"nbval": statistics.median(nbval_runs), "check": statistics.median(check_runs)}
 
 
-def study_minutes(nb) -> int | None:
-    """The lesson's estimated study time in minutes, from its metadata (`course.study_minutes`), if it has one."""
-    minutes = nb.metadata.get("course", {}).get("study_minutes")
-    return minutes if isinstance(minutes, (int, float)) and not isinstance(minutes, bool) and minutes > 0 else None
-
-
-def study_time(minutes: int | None) -> str:
-    """'45 min', '1 h 30 min', or '?' for a lesson whose study time is not set yet."""
-    if minutes is None:
-        return "?"
-    hours, rest = divmod(round(minutes), 60)
-    return f"{hours} h {rest} min" if hours and rest else f"{hours} h" if hours else f"{rest} min"
+def study_time(nb) -> str:
+    """'1 h 20 min / 2 h 5 min': the core path's estimated study time, then the whole lesson's (tooling.studytime)."""
+    est = estimate(nb)
+    return f"{shown(est.core)} / {shown(est.whole)}"
 
 
 def lesson_facts(source: Path) -> dict:
@@ -66,34 +86,52 @@ def lesson_facts(source: Path) -> dict:
         "name": source.stem.replace("_", " ", 1),
         "topics": nb.metadata.get("course", {}).get("topics", ""),
         "exercises": sum(t.startswith("check:") for t in tags),
-        "study": study_time(study_minutes(nb)),
+        "study": study_time(nb),
         "gpu": tags.count("gpu"),
     }
 
 
 HEADER = [
-    "| lesson | topics | exercises | study time | nbval, CPU | checker | GPU cells |",
+    "| lesson | topics | exercises | study time, core / all | nbval, CPU | checker | GPU cells |",
     "|---|---|---|---|---|---|---|",
 ]
+
+STUDY_NOTE = (
+    "*Study time* is estimated from each notebook by one stated method (`course_utils/tooling/studytime.py`): "
+    "its prose at 110 words a minute, its demo code at 8 lines a minute (read, run and compared with the output) "
+    "and 12 minutes per exercise, rounded up to 5 minutes. The *core* path leaves out the sections marked "
+    "*going further*, which a first pass may skip."
+)
+
+
+def measure(sources: list[Path], repeat: int = 3, log=print) -> tuple[float, dict[Path, dict]]:
+    """The floor and every given lesson's times, measured in one run."""
+    floor = time_floor(repeat)
+    if log:
+        log(f"floor (nbval on a one-cell notebook that imports torch): {floor:.1f} s")
+    times = {}
+    for source in sources:
+        times[source] = t = time_lesson(source, repeat)
+        if log:
+            log(f"{source.stem}: nbval {t['nbval']:.1f} s, checker {t['check']:.1f} s "
+                f"({t['check'] / floor:.1f}x the floor)")
+    return floor, times
 
 
 def course_map(repeat: int = 3, log=print) -> str:
     """The README's course-map table, with freshly measured times."""
     lines = list(HEADER)
-    total = 0.0
-    for source in source_notebooks():
-        facts, times = lesson_facts(source), time_lesson(source, repeat)
-        total += times["nbval"]
-        lines.append(_row(source, facts, f"{times['nbval']:.1f} s", f"{times['check']:.1f} s"))
-        if log:
-            log(f"{source.stem}: nbval {times['nbval']:.1f} s, checker {times['check']:.1f} s")
+    floor, times = measure(source_notebooks(), repeat, log)
+    for source, t in times.items():
+        lines.append(_row(source, lesson_facts(source), f"{t['nbval']:.1f} s", f"{t['check']:.1f} s"))
+    total = sum(t["nbval"] for t in times.values())
     lines.append("")
     lines.append(
         f"Measured by `python -m course_utils timings --repeat {repeat}` on {os.cpu_count()} CPU cores "
         f"({platform.machine()}), as medians of {repeat} runs: *nbval* runs the solution copy under "
         f"`pytest --nbval --nbval-current-env`, *checker* runs `python -m course_utils check` on it. "
-        f"Both include a kernel start and `import torch`. The whole course under nbval: {total:.0f} s. "
-        f"*Study time* is the lesson's own estimate (`study_minutes` in its notebook metadata; ? where it has none yet)."
+        f"Both include a kernel start and `import torch`; nbval on a one-cell notebook that only imports torch "
+        f"took {floor:.1f} s in the same run. The whole course under nbval: {total:.0f} s. {STUDY_NOTE}"
     )
     return "\n".join(lines)
 
@@ -123,10 +161,9 @@ def refreshed_map(readme: Path | None = None) -> str:
     for source in source_notebooks():
         nbval, check = times.get(source.stem, ("?", "?"))
         lines.append(_row(source, lesson_facts(source), nbval, check))
-    footer = [line.rstrip() for line in footer]
-    note = "*Study time* is the lesson's own estimate"
-    if footer and not any(note in line for line in footer):
-        footer[-1] += f" {note} (`study_minutes` in its notebook metadata; ? where it has none yet)."
+    footer = [re.sub(r" ?\*Study time\*.*$", "", line.rstrip()) for line in footer]
+    if footer and footer[-1]:
+        footer[-1] += f" {STUDY_NOTE}"
     return "\n".join(lines + footer)
 
 
