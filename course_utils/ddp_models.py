@@ -98,15 +98,19 @@ _PROBE = None
 
 
 class _BatchRecorder:
-    """A forward pre-hook that records the batch size of each training forward. A class, not a closure, so that a
-    script that pickles the whole model (torch.save(model)) works as it would without the probe."""
+    """A forward pre-hook that records the batch size of each training forward, and the weights the third one sees
+    (after two optimizer steps: early enough that a wrong setting is told apart before training amplifies rounding).
+    A class, not a closure, so that a script that pickles the whole model (torch.save(model)) works as without it."""
 
     def __init__(self):
         self.batches: list[int] = []
+        self.after_two_steps: dict[str, torch.Tensor] | None = None
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         if module.training and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
             self.batches.append(len(args[0]))
+            if len(self.batches) == 3:
+                self.after_two_steps = {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 class _ScriptProbe:
@@ -124,7 +128,7 @@ class _ScriptProbe:
     def track(self, model: nn.Module) -> None:
         recorder = _BatchRecorder()
         model.register_forward_pre_hook(recorder)
-        self.models.append((model, recorder.batches))
+        self.models.append((model, recorder))
 
     def install(self) -> None:
         from torch.nn.parallel import DistributedDataParallel
@@ -144,13 +148,13 @@ class _ScriptProbe:
         torch.save = recording_save
 
     def result(self) -> dict:
-        trained = max(self.models, key=lambda m: len(m[1]), default=None)
+        trained = max(self.models, key=lambda m: len(m[1].batches), default=None)
         state = None
         if trained is not None:
             state = {k: v.detach().clone() for k, v in trained[0].state_dict().items()}
-        return {"reads": self.reads, "batches": trained[1] if trained else [], "models": len(self.models),
-                "state": state, "saves": self.saves, "ddp_wraps": self.ddp_wraps,
-                "initialized_at_end": dist.is_available() and dist.is_initialized()}
+        return {"reads": self.reads, "batches": trained[1].batches if trained else [], "models": len(self.models),
+                "state": state, "after_two_steps": trained[1].after_two_steps if trained else None, "saves": self.saves,
+                "ddp_wraps": self.ddp_wraps, "initialized_at_end": dist.is_available() and dist.is_initialized()}
 
 
 def _error_record(err: BaseException, script: str) -> dict:

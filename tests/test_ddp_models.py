@@ -61,6 +61,7 @@ def test_run_rank_records_reads_forwards_saves_and_the_stub(tmp_path):
     assert record["error"]["type"] == "NotImplementedError" and record["error"]["stub"]
     assert record["error"]["function"] == "<module>" and record["error"]["line"] == 10
     assert set(record["state"]) == set(make_model().state_dict()) and not record["initialized_at_end"]
+    assert set(record["after_two_steps"]) == set(record["state"])  # the weights its third training forward saw
 
 
 def test_a_command_line_read_mid_exec_is_waited_for(tmp_path):

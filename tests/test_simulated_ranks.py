@@ -5,7 +5,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_utils.distributed import Workers
-from course_utils.simulated_ranks import SimulatedWorld
+from course_utils.simulated_ranks import Hang, SimulatedWorld
 
 
 # The simulated ranks keep gloo's contract: the same calls on two real gloo ranks and on two simulated ones.
@@ -123,3 +123,29 @@ def test_an_async_collective_completes_only_at_wait():
     for (before, after), err in outcome:
         assert err is None
         assert torch.equal(before, torch.ones(2) * before[0]) and torch.equal(after, torch.full((2,), 3.0))
+
+
+def test_it_records_each_reduction_op_and_undoes_its_patches():
+    def body(rank):
+        t = torch.ones(1)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        dist.all_reduce(t)
+        return t
+
+    real = {name: getattr(dist, name) for name in SimulatedWorld.PATCHED}
+    world = SimulatedWorld(2)
+    world.run(body)
+    assert world.reductions == [["AVG", "SUM"], ["AVG", "SUM"]]
+    assert world.events == [["all_reduce", "all_reduce"]] * 2
+    assert {name: getattr(dist, name) for name in SimulatedWorld.PATCHED} == real
+
+
+def test_a_collective_that_one_rank_skips_raises_hang_instead_of_hanging():
+    def body(rank):
+        if rank == 0:
+            dist.all_reduce(torch.ones(1))
+
+    world = SimulatedWorld(2, timeout=0.5)
+    outcome = world.run(body)
+    assert isinstance(outcome[0][1], Hang) and outcome[1] == (None, None)
+    assert world.hung == {0: "all_reduce"}
