@@ -1,10 +1,12 @@
 """course_utils.tooling.build: from a solution notebook to the learner copy."""
 
+import os
+
 import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from course_utils.tooling.build import BuildError, coalesce_streams, learner_copy, solution_blocks, stub, tag_source
+from course_utils.tooling.build import BuildError, coalesce_streams, execute, learner_copy, solution_blocks, stub, tag_source
 from course_utils.tooling.layout import learner_path
 
 SOLUTION_CELL = '''import torch
@@ -316,3 +318,19 @@ def test_coalesce_streams_joins_consecutive_chunks_of_one_stream():
         ("stream", "stdout", "d\n"),
     ]
     assert "outputs" not in nb.cells[1]
+
+
+def test_execute_shows_a_fresh_clones_work_folder_never_the_builders(tmp_path, monkeypatch):
+    """Lesson 00's progress table must not show the records in the builder's own work/ (issue 18)."""
+    builders = tmp_path / "work"
+    builders.mkdir()
+    (builders / ".progress.json").write_text('{"01": {"linear": {"status": "failed", "reason": "stale", "time": 1}}}')
+    monkeypatch.setenv("COURSE_WORK_DIR", str(builders))
+    monkeypatch.delenv("COURSE_CHECKER", raising=False)
+    cell = new_code_cell(
+        "import os\nfrom course_utils.tooling.layout import work_dir\n"
+        f"print(os.environ['COURSE_CHECKER'], str(work_dir()) != {str(builders)!r}, work_dir().exists())"
+    )
+    execute(new_notebook(cells=[cell]), tmp_path / "lesson.ipynb")
+    assert cell.outputs[0]["text"] == "1 True False\n"  # run as under the checker, in an empty work folder of its own
+    assert os.environ["COURSE_WORK_DIR"] == str(builders) and "COURSE_CHECKER" not in os.environ  # both restored

@@ -10,9 +10,12 @@ and the lesson's number in its metadata. Learners never work in it: their own
 copies live in work/ (course_utils.tooling.workspace), which no build touches.
 """
 
+import contextlib
 import copy
+import os
 import re
 from pathlib import Path, PurePosixPath
+from typing import Iterator
 
 from course_utils.tooling.layout import learner_path, lesson_of_path, source_notebooks, write_atomic
 
@@ -134,15 +137,16 @@ def execute(nb, path: Path) -> None:
     """Run a notebook top to bottom in its own folder, storing fresh outputs in `nb`.
 
     The kernel runs as under the checker (COURSE_CHECKER=1), so that the stored outputs are the
-    ones nbval compares with: a check prints its PASS line instead of displaying it.
+    ones nbval compares with: a check prints its PASS line instead of displaying it. Its work
+    folder (COURSE_WORK_DIR) is a new empty one, so that what a cell shows of a learner's work
+    (lesson 00's progress table) is a fresh clone's, never the builder's own work/.
     """
-    import os
+    import tempfile
 
     from nbclient import NotebookClient
 
-    previous = os.environ.get("COURSE_CHECKER")
-    os.environ["COURSE_CHECKER"] = "1"
-    try:
+    with tempfile.TemporaryDirectory(prefix="course-build-work-") as empty, \
+            _environment(COURSE_CHECKER="1", COURSE_WORK_DIR=str(Path(empty) / "work")):
         NotebookClient(
             nb,
             timeout=600,
@@ -150,12 +154,22 @@ def execute(nb, path: Path) -> None:
             record_timing=False,
             resources={"metadata": {"path": str(path.parent)}},
         ).execute()
-    finally:
-        if previous is None:
-            os.environ.pop("COURSE_CHECKER", None)
-        else:
-            os.environ["COURSE_CHECKER"] = previous
     coalesce_streams(nb)
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Set environment variables (inherited by the kernel) for the block, then restore them."""
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def coalesce_streams(nb) -> None:
