@@ -110,7 +110,8 @@ def run(lesson: str, exercise: str, namespace: dict, nonce: str | None = None) -
             # The check cell names the learner's function; a NameError here means it was never defined,
             # or the cell that defines it raised before it got that far.
             failed_cell = _safely(_unbound_failure, err.name, namespace)
-            reason = failed_cell if isinstance(failed_cell, str) else f"{err.name} is not defined: run the cell that defines it (was it renamed or deleted?)"
+            reason = failed_cell if isinstance(failed_cell, str) else (
+                f"{err.name} is not defined: run the cell that defines it (was it renamed or deleted?)")
             _report(lesson, fresh_checks, module._fresh_verdicts.Verdict(exercise, "failed", reason))
     finally:
         fresh_checks.report = original_report

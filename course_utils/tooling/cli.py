@@ -139,7 +139,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     commands: dict[str, argparse.ArgumentParser] = {}
 
     def add(name: str, description: str | None = None) -> argparse.ArgumentParser:
-        commands[name] = sub.add_parser(name, prog=f"python -m course_utils {name}", description=description or HELP[name][0].upper() + HELP[name][1:] + ".")
+        described = description or HELP[name][0].upper() + HELP[name][1:] + "."
+        commands[name] = sub.add_parser(name, prog=f"python -m course_utils {name}", description=described)
         return commands[name]
 
     add("lab", "Open the course in JupyterLab, on lesson 00. Other options are passed on to "
