@@ -248,8 +248,9 @@ def _expect_model_unchanged(model: nn.Module, before: dict[str, dict], what: str
         after = params[name].grad if name in params else None
         if (grad is None) != (after is None) or (grad is not None and not torch.equal(grad, after)):
             state = "None" if grad is None else "a stale gradient"
-            advice = " (torch.autograd.grad returns the gradients without touching .grad)" if probe else ""
-            raise ExerciseFailed(f"{what} changed {name}.grad, which held {state}: leave .grad as it was{advice}")
+            advice = ("a probe leaves .grad as it was (torch.autograd.grad returns the gradients without touching .grad)" if probe
+                      else "leave .grad as it was")
+            raise ExerciseFailed(f"{what} changed {name}.grad, which held {state}: {advice}")
     for name, value in before["buffers"].items():
         if name in buffers and not torch.equal(buffers[name], value):
             raise ExerciseFailed(f"{what} changed the buffer {name} of the caller's model")
@@ -550,7 +551,9 @@ def check_layer_grad_norms(fn) -> None:
             raise ExerciseFailed(f"{what} ran the forward pass with no full backward hook on {unhooked}: the prompt asks for "
                                  "module.register_full_backward_hook, registered before the forward pass")
         got = _expect_names(got, names, what, "gradient norm", "module, grad_input, grad_output")
-        _expect_norms(got, names, expected, out_grads, grad_inputs, weight_norms, what)
+        weight_values = {n: m.weight.detach().norm().item() for n, m in model.named_modules()
+                         if n in names and isinstance(getattr(m, "weight", None), torch.Tensor)}
+        _expect_norms(got, names, expected, out_grads, grad_inputs, weight_norms, weight_values, what)
 
     tripped = _tower(5, trip=True)
     names = ["stem", "body"]
@@ -564,7 +567,8 @@ def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-7)
 
 
-def _expect_norms(got: dict, names: list[str], expected: dict, out_grads: dict, grad_inputs: dict, weight_norms: dict, what: str) -> None:
+def _expect_norms(got: dict, names: list[str], expected: dict, out_grads: dict, grad_inputs: dict, weight_norms: dict,
+                  weight_values: dict, what: str) -> None:
     """Each value a Python float equal to the norm at the layer's output; a value that is a known other quantity named."""
     numbers = {n: v for n, v in got.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     # grad_input instead of grad_output: None exactly where the input needs no gradient, its norm elsewhere
@@ -589,6 +593,9 @@ def _expect_norms(got: dict, names: list[str], expected: dict, out_grads: dict, 
                 f"{what}[{name!r}] is {value:.6g}, the norm of the gradient at the layer's input (grad_input); "
                 f"expected {want:.6g}, at its output (grad_output)"
             )
+        if name in weight_values and _close(value, weight_values[name]):
+            raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, the norm of the layer's weight itself; expected {want:.6g}, "
+                                 "the norm of d loss / d the layer's output")
         if name in weight_norms and _close(value, weight_norms[name]):
             raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, the norm of the gradient of the layer's weight; expected {want:.6g}, "
                                  "the norm of d loss / d the layer's output (grad_output)")
@@ -1155,11 +1162,13 @@ def _memory_mix_ups(steps: Callable[[], dict], names: list[str], expected: dict[
         changes = [e["args"]["Bytes"] for e in memory if region["ts"] <= e["ts"] <= region["ts"] + region["dur"]]
         peaks[name] = max(itertools.accumulate(changes), default=0)
         allocations[name] = sum(c for c in changes if c > 0)
-    every_row = {}
+    every_row, operators = {}, {}
     for name, phase in _Phases(steps()).phases().items():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as one:
             phase()
-        every_row[name] = sum(event.cpu_memory_usage for event in one.key_averages())
+        rows = one.key_averages()
+        every_row[name] = sum(event.cpu_memory_usage for event in rows)
+        operators[name] = sum(event.self_cpu_memory_usage for event in rows if event.key != "[memory]")
     return {
         "each phase's peak (the most it held at once) instead of what it left allocated when it ended": peaks,
         "each phase's peak (the most it held at once) instead of what it left allocated when it ended ": {n: max(0, v) for n, v in peaks.items()},
@@ -1168,6 +1177,8 @@ def _memory_mix_ups(steps: Callable[[], dict], names: list[str], expected: dict[
             dict(zip(names, itertools.accumulate(expected[n] for n in names))),
         "for each phase, the sum of every row's cpu_memory_usage, which counts an operator's allocations again in each operator "
         "that called it: read one region's cpu_memory_usage, or sum the self column": every_row,
+        "the operators' own allocations only: a free that happens outside every operator (a tensor's last reference dropped) "
+        "has a row of its own, '[memory]', which counts too": operators,
         "negative numbers clipped to 0: a phase that frees more than it allocates leaves a negative number": {n: max(0, v) for n, v in expected.items()},
         "KiB: return the bytes themselves": {n: v // 1024 for n, v in expected.items()},
         "KiB: return the bytes themselves ": {n: round(v / 1024) for n, v in expected.items()},
