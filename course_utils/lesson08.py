@@ -157,33 +157,52 @@ def _global_hooks() -> set[tuple[str, int]]:
     return {(d, key) for d in GLOBAL_HOOK_DICTS for key in getattr(module_globals, d, {})}
 
 
-def _leaked_hooks(model: nn.Module, global_before: set[tuple[str, int]]) -> list[str]:
-    """The modules that still carry hooks (the model itself as 'the model itself'), and any new global module hook."""
-    leaked = [name or "the model itself" for name, m in model.named_modules() if any(getattr(m, d) for d in HOOK_DICTS)]
+def _hook_keys(model: nn.Module) -> set[tuple[int, str, int]]:
+    """(module id, hook dict, hook id) for every module hook on the model: what the caller had before a call."""
+    return {(id(m), d, key) for m in model.modules() for d in HOOK_DICTS for key in getattr(m, d)}
+
+
+def _leaked_hooks(model: nn.Module, global_before: set[tuple[str, int]], kept: set = frozenset()) -> list[str]:
+    """The modules that carry hooks other than the caller's own (`kept`), the model itself as 'the model itself', and any new
+    global module hook."""
+    leaked = [name or "the model itself" for name, m in model.named_modules()
+              if any((id(m), d, key) not in kept for d in HOOK_DICTS for key in getattr(m, d))]
     if _global_hooks() - global_before:
         leaked.append("all modules (a global hook)")
     return leaked
 
 
-def _remove_hooks(model: nn.Module, global_before: set[tuple[str, int]]) -> None:
-    """Take the learner's leaked hooks off, so that later cases (and later cells) start clean."""
+def _remove_hooks(model: nn.Module, global_before: set[tuple[str, int]], kept: set = frozenset()) -> None:
+    """Take the learner's leaked hooks off (the caller's own, `kept`, stay), so that later cases and cells start clean."""
     for m in model.modules():
         for d in HOOK_DICTS:
-            getattr(m, d).clear()
+            hooks = getattr(m, d)
+            for key in [k for k in hooks if (id(m), d, k) not in kept]:
+                del hooks[key]
     for d, key in _global_hooks() - global_before:
         getattr(module_globals, d).pop(key, None)
 
 
-def _expect_no_hooks(model: nn.Module, global_before: set[tuple[str, int]], what: str, after: str = "") -> None:
-    leaked = _leaked_hooks(model, global_before)
+def _expect_no_hooks(model: nn.Module, global_before: set[tuple[str, int]], what: str, after: str = "", kept: set = frozenset()) -> None:
+    gone = [key for key in kept if key not in _hook_keys(model)]
+    if gone:
+        raise ExerciseFailed(f"{what} removed {len(gone)} hook{'s' if len(gone) > 1 else ''} that the caller had put on the model: "
+                             "remove only the hooks you registered, through their handles")
+    leaked = _leaked_hooks(model, global_before, kept)
     if not leaked:
         return
-    _remove_hooks(model, global_before)
+    _remove_hooks(model, global_before, kept)
     if after:
         raise ExerciseFailed(
             f"{what} {after} and left hooks on {leaked}: remove every handle in a finally: block, which runs when an error passes through"
         )
     raise ExerciseFailed(f"{what} left hooks on {leaked}: they run on every later call; keep each handle that register_* returns and call handle.remove()")
+
+
+def _callers_hook(model: nn.Module) -> set[tuple[int, str, int]]:
+    """Put a hook of the caller's own on the model (a forward hook that only looks); return the model's hook keys with it."""
+    model.register_forward_hook(lambda module, args, output: None)
+    return _hook_keys(model)
 
 
 def _expect_model_error(fn: Callable, args: tuple, what: str, model: nn.Module, global_before: set) -> None:
@@ -208,11 +227,6 @@ def _expect_model_error(fn: Callable, args: tuple, what: str, model: nn.Module, 
     _expect_no_hooks(model, global_before, what, after="let the model's ModelError through" if raised else "")
     if raised is None:
         raise ExerciseFailed(f"{what} returned although the model's forward pass raised ModelError: let the error reach the caller (try/finally, no except)")
-
-
-def _expect_same_mode(model: nn.Module, was_training: bool, what: str) -> None:
-    if model.training != was_training:
-        raise ExerciseFailed(f"{what} left the model in {'training' if model.training else 'eval'} mode; it was in {'training' if was_training else 'eval'} mode")
 
 
 def _model_state(model: nn.Module) -> dict[str, dict]:
@@ -375,11 +389,18 @@ def _expect_names(got: Any, names: list[str], what: str, returned_what: str, hoo
     return got
 
 
+NESTED_NAME_HINT = {"'block.1'": "a nested name: model._modules and named_children() know only the top level; look names up in "
+                              "dict(model.named_modules())",
+                    "'body.1'": "a nested name: model._modules and named_children() know only the top level; look names up in "
+                                "dict(model.named_modules())"}
+
+
 @exercise("capture_activations")
 def check_capture_activations(fn) -> None:
     model = _probe(0)
     g = torch.Generator().manual_seed(1)
-    for batch, names in ((5, ["stem", "block.1", "head"]), (1, ["act", "block", ""])):
+    for batch, names, training in ((5, ["stem", "block.1", "head"], True), (1, ["act", "block", ""], False)):
+        model.train(training)
         x = torch.randn(batch, 6, generator=g)
         x_before = x.clone()
         shown = f"model, tensor of shape {tuple(x.shape)}, {names}"
@@ -388,10 +409,11 @@ def check_capture_activations(fn) -> None:
         if "" in names:
             with torch.no_grad():
                 inputs[""], expected[""] = x, model(x)
-        global_before, state = _global_hooks(), _model_state(model)
+        global_before, state, kept = _global_hooks(), _model_state(model), _callers_hook(model)
         model.recount()
-        got = call(fn, model, x, list(names), shown=shown)
-        _expect_no_hooks(model, global_before, what)
+        got = call(fn, model, x, list(names), shown=shown, hints=NESTED_NAME_HINT)
+        _expect_no_hooks(model, global_before, what, kept=kept)
+        _remove_hooks(model, global_before)
         _expect_one_run(model, what)
         _expect_tensor_unchanged(x_before, False, x, what, "x")
         _expect_model_unchanged(model, state, what, probe=False)
@@ -476,7 +498,10 @@ NORM_MIX_UPS = {
     "the largest |grad| (the max norm), not the L2 norm": lambda g: g.abs().max(),
     "the mean of the squares, not the L2 norm": lambda g: g.pow(2).mean(),
     "the root mean square, not the L2 norm (the mean divides by the number of elements)": lambda g: g.pow(2).mean().sqrt(),
+    "half the squared norm, not the L2 norm": lambda g: g.pow(2).sum() / 2,
     "the mean of the per-sample norms, not the norm of the whole gradient": lambda g: g.flatten(1).norm(dim=1).mean(),
+    "the sum of the per-sample norms, not the norm of the whole gradient": lambda g: g.flatten(1).norm(dim=1).sum(),
+    "the norm divided by the batch size: the L2 norm of the whole gradient is wanted, as it is": lambda g: g.norm() / g.shape[0],
     "the norm of the gradient averaged over the batch, not of the whole gradient": lambda g: g.mean(0).norm(),
 }
 
@@ -504,7 +529,11 @@ def check_layer_grad_norms(fn) -> None:
     hints = {
         "'NoneType' object has no attribute": "something your code used is None; grad_input holds None for an input that needs "
                                               "no gradient, such as the data going into the first layer",
-        "does not require grad": "some parameters are frozen (requires_grad=False): differentiate only those that require grad",
+        "One of the differentiated Tensors does not require grad": "some parameters are frozen (requires_grad=False): "
+                                                                  "differentiate only those that require grad",
+        "element 0 of tensors does not require grad": "the loss has no graph: the forward pass ran with gradients off "
+                                                      "(torch.no_grad(), inference_mode) or its output was detached",
+        **NESTED_NAME_HINT,
     }
     g = torch.Generator().manual_seed(11)
     cases = []
@@ -547,6 +576,10 @@ def check_layer_grad_norms(fn) -> None:
         _expect_tensor_unchanged(x_before, False, x, what, "x")
         _expect_tensor_unchanged(y_before, False, y, what, "y")
         _expect_model_unchanged(model, state, what)
+        if unhooked and all("." in n for n in unhooked) and len(unhooked) < len(names) and isinstance(got, dict) and \
+                not any(n in got for n in unhooked):
+            raise ExerciseFailed(f"{what} put no hook on the nested name{'s' if len(unhooked) > 1 else ''} {unhooked}: look each name up "
+                                 "in dict(model.named_modules()), which spells nested modules with dots (named_children() lists only the top level)")
         if unhooked:
             raise ExerciseFailed(f"{what} ran the forward pass with no full backward hook on {unhooked}: the prompt asks for "
                                  "module.register_full_backward_hook, registered before the forward pass")
@@ -732,6 +765,10 @@ def _reversal_fault(world: _Adversarial, got: dict, lams: tuple[float, float], r
         ((-lams[1], -lams[1]), "branch", f"both steps used the strength of the last forward call ({lams[1]}): give each forward "
          "call's hook its own strength"),
         ((-lams[0] ** 2, -lams[1] ** 2), "branch", "the gradient was multiplied by -strength() squared: the reversal was applied twice"),
+        ((-lams[0], -lams[0]), "branch", f"both steps used the strength of the first forward call ({lams[0]}): read strength() at "
+         "every forward call"),
+        ((-1 / lams[0], -1 / lams[1]), "branch", "the gradient was divided by strength(), not multiplied by it"),
+        ((0.0, 0.0), "branch", "the gradient from the module back into its input was zero: reverse it, do not stop it"),
     ]
     return next((reason for factors, where, reason in candidates if _same_grads(got, world.simulate(factors, where))), "")
 
@@ -863,6 +900,31 @@ class _Softmax(_Counted):
         return e / e.sum(-1, keepdim=True)
 
 
+class _LogBlock(nn.Module):
+    """A module with a child whose own forward takes a log: the child's output is finite, its negative values' log is NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.inner(x).log()
+
+
+class _Nested(_Counted):
+    """The NaN starts in a container's own forward ('block'), and every later module's output holds it too."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(3, 4)
+        self.block = _LogBlock()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        self.runs += 1
+        return self.head(self.block(self.stem(x)))
+
+
 def _nonfinite_cases() -> list[tuple[str, Callable[[], nn.Module], torch.Tensor]]:
     g = torch.Generator().manual_seed(21)
     small, large = torch.randn(4, 5, generator=g) * 0.1, torch.randn(4, 5, generator=g) * 300
@@ -880,6 +942,7 @@ def _nonfinite_cases() -> list[tuple[str, Callable[[], nn.Module], torch.Tensor]
         ("an LSTM model", build(_Recurrent, 6), sequence * 0.01),
         ("an LSTM model", build(_Recurrent, 6), sequence * 40),
         ("a model that takes a softmax by hand", build(_Softmax, 7), torch.randn(3, 3, generator=g) * 400),
+        ("a model whose block takes a log", build(_Nested, 8), torch.randn(3, 3, generator=g)),
     ]
 
 
@@ -966,18 +1029,19 @@ def _nonfinite_fault(fn: Callable) -> str:
 
 @exercise("first_nonfinite")
 def check_first_nonfinite(fn) -> None:
-    hints = {"'tuple' object has no attribute": "a module's output can be a tuple, even a nested one (an LSTM returns output, (h, c))"}
+    hints = {"'tuple' object has no attribute": "a module's output can be a tuple, even a nested one (an LSTM returns output, (h, c))",
+             "not tuple": "a module's output can be a tuple, even a nested one (an LSTM returns output, (h, c))"}
     for label, make, x in _nonfinite_cases():
         model = make()
         order = [name for name, _ in model.named_modules()]
         run = _outputs_in_run_order(model, x)
         expected = next((n for n, nan, inf, _, _ in run if nan or inf), None)
-        x_before, global_before, state = x.clone(), _global_hooks(), _model_state(model)
+        x_before, global_before, state, kept = x.clone(), _global_hooks(), _model_state(model), _callers_hook(model)
         shown = f"{label}, tensor of shape {tuple(x.shape)}"
         what = f"first_nonfinite({shown})"
         model.recount()
         got = call(fn, model, x, shown=shown, hints=hints)
-        _expect_no_hooks(model, global_before, what)
+        _expect_no_hooks(model, global_before, what, kept=kept)
         _expect_one_run(model, what)
         _expect_tensor_unchanged(x_before, False, x, what, "x")
         if any(p.grad is not None for p in model.parameters()):
@@ -1017,6 +1081,17 @@ def check_first_nonfinite(fn) -> None:
             )
         if got in flagged and got == flagged[-1]:
             raise ExerciseFailed(f"{what} returned {got!r}, the last module with a non-finite output; expected the first, {name}")
+        modules, ran = dict(model.named_modules()), [n for n, *_ in run]
+        if isinstance(got, str) and got == type(modules[expected]).__name__:
+            raise ExerciseFailed(f"{what} returned {got!r}, the class of the culprit: return its name as named_modules() spells it, {name}")
+        if isinstance(got, str) and got.endswith("." + expected) and got not in modules:
+            raise ExerciseFailed(f"{what} returned {got!r}, a name with a prefix; named_modules() without one spells it {name}")
+        if got in ran and ran.index(got) == ran.index(expected) - 1:
+            raise ExerciseFailed(f"{what} returned {got!r}, the module that finished just before {name}, which produced the first "
+                                 "non-finite output")
+        if got in flagged and next(modules[expected].children(), None) is not None and next(modules[got].children(), None) is None:
+            raise ExerciseFailed(f"{what} returned {got!r}; {name}, a module with children, produced the first non-finite output in its "
+                                 "own forward: every module counts, containers and the model itself too")
         fault = _nonfinite_fault(fn)
         raise ExerciseFailed(f"{what} returned {got!r}, expected {name}" + (f": {fault}" if fault else ""))
 
@@ -1156,12 +1231,13 @@ def _memory_mix_ups(steps: Callable[[], dict], names: list[str], expected: dict[
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
     memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
-    peaks, allocations = {}, {}
+    peaks, allocations, frees = {}, {}, {}
     for name in names:
         region = next(e for e in events if e.get("name") == f"phase {name}" and e.get("ph") == "X")
         changes = [e["args"]["Bytes"] for e in memory if region["ts"] <= e["ts"] <= region["ts"] + region["dur"]]
         peaks[name] = max(itertools.accumulate(changes), default=0)
         allocations[name] = sum(c for c in changes if c > 0)
+        frees[name] = sum(c for c in changes if c < 0)
     every_row, operators = {}, {}
     for name, phase in _Phases(steps()).phases().items():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as one:
@@ -1173,6 +1249,10 @@ def _memory_mix_ups(steps: Callable[[], dict], names: list[str], expected: dict[
         "each phase's peak (the most it held at once) instead of what it left allocated when it ended": peaks,
         "each phase's peak (the most it held at once) instead of what it left allocated when it ended ": {n: max(0, v) for n, v in peaks.items()},
         "only the allocations: a free counts too, as negative bytes": allocations,
+        "only the frees: each phase's allocations count too": frees,
+        "the same number for every phase, the whole run's total: give each phase a region of its own (record_function(name)) and "
+        "read that region's row": {n: sum(expected.values()) for n in names},
+        "each region's count of calls, not its memory: read the region's cpu_memory_usage": {n: 1 for n in names},
         "a running total: each number includes the phases before it; give each phase its own allocations minus frees":
             dict(zip(names, itertools.accumulate(expected[n] for n in names))),
         "for each phase, the sum of every row's cpu_memory_usage, which counts an operator's allocations again in each operator "
@@ -1285,15 +1365,17 @@ CHECKPOINT_FILE = os.path.realpath(torch.utils.checkpoint.__file__)
 
 
 def _checkpoint_variant(frame: Any) -> str:
-    """Which checkpoint the calling frames are inside: 'reentrant', 'non-reentrant' or '' (none); 'sequential' marks
-    checkpoint_sequential's own frames, which run its last segment without a checkpoint."""
-    names = set()
+    """Which checkpoint the calling frames are inside: 'reentrant', 'non-reentrant', 'nested' (a checkpoint inside another)
+    or '' (none); 'sequential' marks checkpoint_sequential's own frames, which run its last segment without a checkpoint."""
+    names = []
     while frame is not None:
         if os.path.realpath(frame.f_code.co_filename) == CHECKPOINT_FILE:
-            names.add(frame.f_code.co_qualname)
+            names.append(frame.f_code.co_qualname)
         frame = frame.f_back
     if "CheckpointFunction.forward" in names or "CheckpointFunction.backward" in names:
         return "reentrant"
+    if names.count("_checkpoint_impl") > 1:
+        return "nested"
     if "_checkpoint_impl" in names or "checkpoint" in names:
         return "non-reentrant"
     return "sequential" if "checkpoint_sequential" in names else ""
@@ -1355,6 +1437,13 @@ def _order_fault(order: list[int], n: int, finished: bool = True) -> str:
     return f"ran the blocks in the order {order}, expected {list(range(n))}"
 
 
+CHECKPOINT_HINTS = {
+    'Module [ModuleList] is missing the required "forward" function': "a ModuleList cannot be called: nn.Sequential(blocks[i:j]) "
+    "holds the slice as one module; unpack it, nn.Sequential(*blocks[i:j]), or loop over the blocks",
+    "must have the same dtype": "mixed dtypes in one operation: the batch and the blocks' weights must share a dtype",
+}
+
+
 @exercise("checkpoint_segments")
 def check_checkpoint_segments(fn) -> None:
     cases = [  # 7 blocks in 3 + 3 + 1; dropout, replayed in backward; one segment for all; a segment per block
@@ -1384,7 +1473,8 @@ def check_checkpoint_segments(fn) -> None:
                 warnings.simplefilter("ignore")
                 torch.manual_seed(36)
                 try:
-                    got, got_bytes = saved_activation_bytes(lambda: call(fn, blocks, x, size, shown=shown), blocks.parameters())
+                    got, got_bytes = saved_activation_bytes(lambda: call(fn, blocks, x, size, shown=shown, hints=CHECKPOINT_HINTS),
+                                                            blocks.parameters())
                 except ExerciseFailed as err:
                     fault = _order_fault([i for i, *_ in watch.calls], n, finished=False)
                     raise ExerciseFailed(f"{err.message}: it {fault}" if fault else err.message) from None
@@ -1423,11 +1513,17 @@ def _expect_blocks_unchanged(blocks: nn.ModuleList, state: dict, what: str) -> N
 def _judge_forward(watch: _BlockWatch, got: torch.Tensor, n: int, what: str) -> None:
     """What the learner's forward pass did, watched block by block: the variant of checkpoint, the order, the graph."""
     forward = watch.calls[:watch.forward_calls]
-    if any(variant == "reentrant" for _, _, variant, _ in forward):
+    if any(variant == "reentrant" for _, _, variant, _ in forward) and not got.requires_grad:
         raise ExerciseFailed(
             f"{what} used the reentrant checkpoint (use_reentrant=True, or not passed: PyTorch then falls back to it), whose output "
             "has no graph when its input does not require grad, as a batch of data does not: pass use_reentrant=False"
         )
+    if any(variant == "reentrant" for _, _, variant, _ in forward):
+        raise ExerciseFailed(f"{what} used the reentrant checkpoint (use_reentrant=True, or not passed: PyTorch then falls back to "
+                             "it), the legacy variant: use the non-reentrant one, use_reentrant=False")
+    if any(variant == "nested" for _, _, variant, _ in forward):
+        raise ExerciseFailed(f"{what} ran blocks inside a checkpoint inside another checkpoint: put each segment in one checkpoint, "
+                             "with its blocks called plainly inside it")
     fault = _order_fault(watch.forward_order(), n)
     if fault:
         raise ExerciseFailed(f"{what} {fault}")

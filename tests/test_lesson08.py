@@ -1162,6 +1162,165 @@ def test_wrong_answers_name_the_fault(check, wrong, message):
     assert_names_fault(check, wrong, message)
 
 
+# A second set, written after the checks were revised, of kinds the first set and the tests above lacked (the general ones)
+
+def capture_in_eval_then_train(model, x, names):
+    model.eval()
+    try:
+        return L.capture_activations(model, x, names)
+    finally:
+        model.train()
+
+
+def capture_clearing_every_hook(model, x, names):
+    modules, captured = dict(model.named_modules()), {}
+    for name in names:
+        modules[name].register_forward_hook(lambda m, a, o, name=name: captured.__setitem__(name, o.detach()))
+    try:
+        model(x)
+    finally:
+        for m in model.modules():
+            m._forward_hooks.clear()
+    return captured
+
+
+def capture_through_modules_dict(model, x, names):
+    captured, handles = {}, []
+    try:
+        for name in names:
+            handles.append(model._modules[name].register_forward_hook(lambda m, a, o, name=name: captured.__setitem__(name, o.detach())))
+        model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def lgn_sum_of_sample_norms(model, x, y, loss_fn, names):
+    return _lgn(model, x, y, loss_fn, names,
+                lambda norms, name: lambda m, gin, gout: norms.__setitem__(name, gout[0].flatten(1).norm(dim=1).sum().item()))
+
+
+def lgn_forward_under_no_grad(model, x, y, loss_fn, names):
+    def backward(loss):
+        torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+    modules, norms, handles = dict(model.named_modules()), {}, []
+    try:
+        for name in names:
+            handles.append(modules[name].register_full_backward_hook(output_norm(norms, name)))
+        with torch.no_grad():
+            loss = loss_fn(model(x), y)
+        backward(loss)
+    finally:
+        for h in handles:
+            h.remove()
+    return norms
+
+
+def fn_class_name(model, x):
+    name = L.first_nonfinite(model, x)
+    return None if name is None else type(dict(model.named_modules())[name]).__name__
+
+
+def fn_with_a_prefix(model, x):
+    name = L.first_nonfinite(model, x)
+    return None if name is None else f"model.{name}" if name else "model"
+
+
+def fn_clearing_every_hook(model, x):
+    found = []
+    for name, m in model.named_modules():
+        m.register_forward_hook(lambda mod, a, o, name=name: found.append(name) if _nonfinite(o) else None)
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for m in model.modules():
+            m._forward_hooks.clear()
+    return found[0] if found else None
+
+
+def fn_first_leaf(model, x):
+    leaves = {n for n, m in model.named_modules() if next(m.children(), None) is None}
+    flagged = []
+    _fn(model, x, pick=lambda found, model: flagged.extend(found))
+    return next((n for n in flagged if n in leaves), flagged[0] if flagged else None)
+
+
+def mem_no_regions(phases):
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for phase in phases.values():
+            phase()
+    total = int(sum(e.self_cpu_memory_usage for e in prof.key_averages()))
+    return {name: total for name in phases}
+
+
+def mem_call_counts(phases):
+    return _mem(phases, read=lambda e: e.count)
+
+
+def cs_sequential_of_the_slice(blocks, x, size):
+    for start in range(0, len(blocks), size):
+        x = checkpoint(nn.Sequential(blocks[start:start + size]), x, use_reentrant=False)
+    return x
+
+
+def cs_reentrant_on_a_copy_that_requires_grad(blocks, x, size):
+    return cs_reentrant(blocks, x.clone().requires_grad_(), size)
+
+
+def cs_nested(blocks, x, size):
+    def run(h, start):
+        for block in blocks[start:start + size]:
+            h = checkpoint(block, h, use_reentrant=False)
+        return h
+    for start in range(0, len(blocks), size):
+        x = checkpoint(run, x, start, use_reentrant=False)
+    return x
+
+
+def gr_cut(module, strength):
+    return module.register_forward_pre_hook(lambda m, args: (args[0].detach(),))
+
+
+def gr_first_strength_cached(module, strength):
+    cache = {}
+
+    def pre(m, args):
+        (x,) = args
+        if torch.is_grad_enabled() and x.requires_grad:
+            lam = cache.setdefault("lam", strength())
+            y = x.view_as(x)
+            y.register_hook(lambda g: -lam * g)
+            return (y,)
+    return module.register_forward_pre_hook(pre)
+
+
+SECOND_SET = [
+    (L.check_capture_activations, capture_in_eval_then_train, "left the model in training mode; it was in eval mode"),
+    (L.check_capture_activations, capture_clearing_every_hook, "removed 1 hook that the caller had put on the model"),
+    (L.check_capture_activations, capture_through_modules_dict, r"raised KeyError: 'block.1' \(a nested name.*named_modules"),
+    (L.check_layer_grad_norms, lgn_sum_of_sample_norms, "the sum of the per-sample norms, not the norm of the whole gradient"),
+    (L.check_layer_grad_norms, lgn_forward_under_no_grad, "element 0 of tensors does not require grad.*the loss has no graph"),
+    (L.check_first_nonfinite, fn_class_name, "returned '_Exp', the class of the culprit"),
+    (L.check_first_nonfinite, fn_with_a_prefix, "returned 'model.block.1', a name with a prefix"),
+    (L.check_first_nonfinite, fn_clearing_every_hook, "removed 1 hook that the caller had put on the model"),
+    (L.check_first_nonfinite, fn_first_leaf, "returned 'head'; 'block', a module with children, produced the first non-finite output"),
+    (L.check_memory_by_phase, mem_no_regions, "returned the same number for every phase, the whole run's total"),
+    (L.check_memory_by_phase, mem_call_counts, "returned each region's count of calls"),
+    (L.check_checkpoint_segments, cs_sequential_of_the_slice, r"a ModuleList cannot be called.*nn.Sequential\(\*blocks\[i:j\]\)"),
+    (L.check_checkpoint_segments, cs_reentrant_on_a_copy_that_requires_grad, "used the reentrant checkpoint .* the legacy variant"),
+    (L.check_checkpoint_segments, cs_nested, "ran blocks inside a checkpoint inside another checkpoint"),
+    (L.check_add_gradient_reversal, gr_cut, "the gradient from the module back into its input was zero"),
+    (L.check_add_gradient_reversal, gr_first_strength_cached, r"both steps used the strength of the first forward call \(0.3\)"),
+]
+
+
+@pytest.mark.parametrize("check, wrong, message", SECOND_SET, ids=[f"{c.exercise_name}-{w.__name__}" for c, w, m in SECOND_SET])
+def test_second_set_of_wrong_answers_name_the_fault(check, wrong, message):
+    assert_names_fault(check, wrong, message)
+
+
 def test_every_check_has_three_alternatives_and_eight_wrong_answers():
     for check, _ in PAIRS:
         assert sum(c is check for c, _ in RIGHT) >= 3, check.exercise_name
@@ -1228,7 +1387,7 @@ def test_errors_inside_the_learners_code_are_one_short_line(check, wrong, messag
 
 def test_nonfinite_cases_have_the_culprits_the_check_expects():
     culprits = [L.first_nonfinite(make(), x) for _, make, x in L._nonfinite_cases()]
-    assert culprits == [None, "block.1", None, "split", ""]
+    assert culprits == [None, "block.1", None, "split", "", "block"]
 
 
 def test_tensor_phases_have_the_sizes_a_learner_can_work_out():
