@@ -30,8 +30,10 @@ from course_utils.tooling.checks import (
     expect_tensor,
     expect_unchanged,
     first_line,
+    learner_frame,
     scoreboard_for,
     stub_function,
+    where,
 )
 
 scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
@@ -295,8 +297,10 @@ def _backward(loss: torch.Tensor, what: str) -> None:
     """loss.backward(), with an error raised by the learner's hook reported in one line."""
     try:
         loss.backward()
-    except Exception as err:
-        raise ExerciseFailed(f"backward() through {what} raised {type(err).__name__}: {first_line(err)}") from None
+    except Exception as err:  # noqa: BLE001 -- raised by the learner's hook, reported as theirs
+        frame = learner_frame(err, __file__)
+        place = where(frame) if frame else ""
+        raise ExerciseFailed(f"backward() through {what} raised {type(err).__name__}: {first_line(err)}{place}") from None
 
 
 # capture_activations
@@ -309,23 +313,30 @@ class _Counted(nn.Module):
         super().__init__()
         self.runs = 0
         self.calls = 0
+        self.inputs: list[Any] = []
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
+        self.inputs.append(args[0] if args else None)
         return super().__call__(*args, **kwargs)
 
     def recount(self) -> None:
         self.runs = self.calls = 0
+        self.inputs = []
 
 
-def _expect_one_run(model: _Counted, what: str) -> None:
-    """The prompt says "run the model once": its forward ran exactly once, called as model(x)."""
+def _expect_one_run(model: _Counted, what: str, x: torch.Tensor) -> None:
+    """The prompt says "run model(x) once": its forward ran exactly once, called as model(x), on x itself."""
     if model.runs == 0:
         raise ExerciseFailed(f"{what} never ran the model: call model(x) once, with the hooks on")
     if model.runs > 1:
         raise ExerciseFailed(f"{what} ran the model {model.runs} times; run model(x) once: the hooks see every pass")
     if model.calls == 0:
         raise ExerciseFailed(f"{what} called model.forward(x), which skips the model's own hooks: call model(x)")
+    given = model.inputs[0]
+    if not isinstance(given, torch.Tensor) or given.shape != x.shape or not torch.equal(given.detach(), x):
+        shape = f"of shape {tuple(given.shape)}" if isinstance(given, torch.Tensor) else a_type(given)
+        raise ExerciseFailed(f"{what} ran the model on an input other than x ({shape}, x has shape {tuple(x.shape)}): run model(x)")
 
 
 class _Probe(_Counted):
@@ -399,13 +410,16 @@ NESTED_NAME_HINT = {"'block.1'": "a nested name: model._modules and named_childr
 def check_capture_activations(fn) -> None:
     model = _probe(0)
     g = torch.Generator().manual_seed(1)
-    for batch, names, training in ((5, ["stem", "block.1", "head"], True), (1, ["act", "block", ""], False)):
+    for batch, names, training in ((5, ["stem", "block.1", "head"], True), (1, ["act", "block", ""], False),
+                                   (3, ["head", "block.0", "stem"], True)):
         model.train(training)
         x = torch.randn(batch, 6, generator=g)
         x_before = x.clone()
         shown = f"model, tensor of shape {tuple(x.shape)}, {names}"
         what = f"capture_activations({shown})"
         inputs, expected = _inputs_and_outputs(model, x, [n for n in names if n])
+        every = [n for n, _ in model.named_modules() if n]
+        outputs_of_all = dict(sorted(_inputs_and_outputs(model, x, every)[1].items(), key=lambda item: every.index(item[0])))
         if "" in names:
             with torch.no_grad():
                 inputs[""], expected[""] = x, model(x)
@@ -414,7 +428,7 @@ def check_capture_activations(fn) -> None:
         got = call(fn, model, x, list(names), shown=shown, hints=NESTED_NAME_HINT)
         _expect_no_hooks(model, global_before, what, kept=kept)
         _remove_hooks(model, global_before)
-        _expect_one_run(model, what)
+        _expect_one_run(model, what, x)
         _expect_tensor_unchanged(x_before, False, x, what, "x")
         _expect_model_unchanged(model, state, what, probe=False)
         got = _expect_names(got, names, what, "activation", "module, args, output")
@@ -430,6 +444,10 @@ def check_capture_activations(fn) -> None:
                 )
             if _same(value, inputs[name]) and not _same(inputs[name], expected[name]):
                 raise ExerciseFailed(f"{what}[{name!r}] is the module's input: a forward hook is called as hook(module, args, output); store output")
+            other = next((n for n, out in outputs_of_all.items() if n != name and _same(value, out) and not _same(out, expected[name])), None)
+            if other is not None:
+                whose = "the model's" if other == "" else f"{other!r}'s"
+                raise ExerciseFailed(f"{what}[{name!r}] is {whose} output: store each output under its own module's name")
             expect_tensor(value, expected[name], what=f"{what}[{name!r}]", atol=1e-6)
 
     tripped = _probe(0, trip=True)
@@ -502,6 +520,9 @@ NORM_MIX_UPS = {
     "the mean of the per-sample norms, not the norm of the whole gradient": lambda g: g.flatten(1).norm(dim=1).mean(),
     "the sum of the per-sample norms, not the norm of the whole gradient": lambda g: g.flatten(1).norm(dim=1).sum(),
     "the norm divided by the batch size: the L2 norm of the whole gradient is wanted, as it is": lambda g: g.norm() / g.shape[0],
+    "the norm of the first sample's gradient only, not of the whole batch's": lambda g: g[0].norm(),
+    "the spectral norm (the largest singular value, ord=2 of a matrix), not the L2 norm of all elements":
+        lambda g: torch.linalg.matrix_norm(g.flatten(1), ord=2),
     "the norm of the gradient averaged over the batch, not of the whole gradient": lambda g: g.mean(0).norm(),
 }
 
@@ -533,6 +554,8 @@ def check_layer_grad_norms(fn) -> None:
                                                                   "differentiate only those that require grad",
         "element 0 of tensors does not require grad": "the loss has no graph: the forward pass ran with gradients off "
                                                       "(torch.no_grad(), inference_mode) or its output was detached",
+        "has no len()": "a full backward hook's return value replaces grad_input, so it must be None or a tuple; your hook "
+                        "returned something else (dict.setdefault returns the value)",
         **NESTED_NAME_HINT,
     }
     g = torch.Generator().manual_seed(11)
@@ -566,7 +589,7 @@ def check_layer_grad_norms(fn) -> None:
             for handle in watchers:
                 handle.remove()
         _expect_no_hooks(model, global_before, what)
-        _expect_one_run(model, what)
+        _expect_one_run(model, what, x)
         if any("old" in k for k in kinds.values()):
             raise ExerciseFailed(
                 f"{what} used register_backward_hook, which is deprecated and misses gradients of modules made of several operations: "
@@ -632,6 +655,10 @@ def _expect_norms(got: dict, names: list[str], expected: dict, out_grads: dict, 
         if name in weight_norms and _close(value, weight_norms[name]):
             raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, the norm of the gradient of the layer's weight; expected {want:.6g}, "
                                  "the norm of d loss / d the layer's output (grad_output)")
+        other = next((n for n in names if n != name and _close(value, expected[n])), None)
+        if other is not None:
+            raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, the norm at {other!r}'s output; expected {want:.6g}: record each norm "
+                                 "under its own layer's name (the backward hooks run in the reverse order of the layers)")
         mix_up = next((text for text, of in NORM_MIX_UPS.items() if _close(value, of(out_grads[name]).item())), None)
         if mix_up:
             raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, {mix_up}; expected {want:.6g}")
@@ -769,6 +796,8 @@ def _reversal_fault(world: _Adversarial, got: dict, lams: tuple[float, float], r
          "every forward call"),
         ((-1 / lams[0], -1 / lams[1]), "branch", "the gradient was divided by strength(), not multiplied by it"),
         ((0.0, 0.0), "branch", "the gradient from the module back into its input was zero: reverse it, do not stop it"),
+        ((-lams[0], 1.0), "branch", "only the first forward call's gradient was reversed: reverse it at every call"),
+        ((1 - lams[0], 1 - lams[1]), "branch", "the gradient was multiplied by 1 - strength(), not -strength()"),
     ]
     return next((reason for factors, where, reason in candidates if _same_grads(got, world.simulate(factors, where))), "")
 
@@ -925,6 +954,26 @@ class _Nested(_Counted):
         return self.head(self.block(self.stem(x)))
 
 
+class _Log(nn.Module):
+    def forward(self, x):
+        return x.log()
+
+
+class _LogModel(_Counted):
+    """log of a ReLU's output: log(0) is -inf, and only -inf, until the next layer mixes it into inf and NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(4, 6)
+        self.relu = nn.ReLU()
+        self.log = _Log()
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        self.runs += 1
+        return self.head(self.log(self.relu(self.stem(x))))
+
+
 def _nonfinite_cases() -> list[tuple[str, Callable[[], nn.Module], torch.Tensor]]:
     g = torch.Generator().manual_seed(21)
     small, large = torch.randn(4, 5, generator=g) * 0.1, torch.randn(4, 5, generator=g) * 300
@@ -943,6 +992,7 @@ def _nonfinite_cases() -> list[tuple[str, Callable[[], nn.Module], torch.Tensor]
         ("an LSTM model", build(_Recurrent, 6), sequence * 40),
         ("a model that takes a softmax by hand", build(_Softmax, 7), torch.randn(3, 3, generator=g) * 400),
         ("a model whose block takes a log", build(_Nested, 8), torch.randn(3, 3, generator=g)),
+        ("a model that takes the log of a ReLU", build(_LogModel, 9), torch.randn(5, 4, generator=g)),
     ]
 
 
@@ -987,26 +1037,92 @@ class _Container(nn.Module):
         return self.inner(x) + torch.tensor([0.0, math.inf, 0.0])
 
 
-def _probes() -> dict[str, nn.Module]:
-    """Small models whose first non-finite output is module '1': a partial inf that tanh turns finite again; a partial NaN that
-    the next Linear spreads to every element; an inf everywhere, made finite by tanh; a container that adds an inf itself."""
+class _SplitEmit(nn.Module):
+    """Returns (x, (tanh(x), x plus a partial inf)): the inf sits inside a nested tuple, and nothing downstream uses it."""
+
+    def forward(self, x):
+        return x, (x.tanh(), x + torch.tensor([0.0, math.inf, 0.0]))
+
+
+class _TupleProbe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.split = _SplitEmit()
+
+    def forward(self, x):
+        h, (t, _) = self.split(self.lin(x))
+        return h + t
+
+
+class _RootProbe(nn.Module):
+    """Its own forward adds a partial inf to its child's finite output."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x) + torch.tensor([0.0, math.inf, 0.0])
+
+
+def _probes() -> dict[str, tuple[nn.Module, str]]:
+    """Small models, each with one kind of culprit, and the culprit's name."""
     torch.manual_seed(23)
     inf, nan = math.inf, math.nan
+    infinite_bias = nn.Linear(3, 3)
+    with torch.no_grad():
+        infinite_bias.bias[1] = inf
     return {
-        "partial inf": nn.Sequential(nn.Linear(3, 3), _Emit([0.0, inf, 0.0]), nn.Tanh()),
-        "partial NaN": nn.Sequential(nn.Linear(3, 3), _Emit([0.0, nan, 0.0]), nn.Linear(3, 3)),
-        "inf everywhere": nn.Sequential(nn.Linear(3, 3), _Emit([inf, inf, inf]), nn.Tanh()),
-        "a container's own forward": nn.Sequential(nn.Linear(3, 3), _Container(), nn.Tanh()),
+        "partial inf": (nn.Sequential(nn.Linear(3, 3), _Emit([0.0, inf, 0.0]), nn.Tanh()), "1"),
+        "partial -inf": (nn.Sequential(nn.Linear(3, 3), _Emit([0.0, -inf, 0.0]), nn.Tanh()), "1"),
+        "partial NaN": (nn.Sequential(nn.Linear(3, 3), _Emit([0.0, nan, 0.0]), nn.Linear(3, 3)), "1"),
+        "inf everywhere": (nn.Sequential(nn.Linear(3, 3), _Emit([inf, inf, inf]), nn.Tanh()), "1"),
+        "a layer with parameters": (nn.Sequential(nn.Linear(3, 3), infinite_bias, nn.Tanh()), "1"),
+        "a container's own forward": (nn.Sequential(nn.Linear(3, 3), _Container(), nn.Tanh()), "1"),
+        "a container, then a leaf": (nn.Sequential(nn.Linear(3, 3), _Container(), nn.Linear(3, 3)), "1"),
+        "a nested tuple": (_TupleProbe(), "split"),
+        "the model itself": (_RootProbe(), ""),
     }
 
 
+# The usual mistakes, each as the answers it gives on the probes (a: the learner's answers, ok(k): right on probe k); the first
+# that fits names the fault. Each fits only answers that no other rule, and no right answer, gives.
+NONFINITE_RULES = [
+    (lambda a, ok: ok("partial NaN") and all(a[k] is None for k in ("partial inf", "partial -inf", "inf everywhere",
+                                                                   "a layer with parameters")),
+     "it tests for NaN only and misses inf: test with torch.isfinite, which catches NaN, inf and -inf"),
+    (lambda a, ok: a["partial -inf"] is None and ok("partial inf") and ok("partial NaN"),
+     "it misses -inf: test with torch.isfinite, which catches NaN, inf and -inf"),
+    (lambda a, ok: a["partial NaN"] is None and ok("partial inf") and ok("partial -inf"),
+     "it misses NaN: test with torch.isfinite, which catches NaN, inf and -inf"),
+    (lambda a, ok: a["partial inf"] is None and a["partial NaN"] == "2" and ok("inf everywhere"),
+     "it flags an output only when every element is non-finite: flag it when any element is (not t.isfinite().all())"),
+    (lambda a, ok: all(a[k] == "2" for k in ("partial inf", "partial NaN", "inf everywhere")),
+     "it names the module after the culprit, whose input holds the non-finite value: test each module's output"),
+    (lambda a, ok: ok("a layer with parameters") and a["partial inf"] is None and a["inf everywhere"] is None and a["partial NaN"] == "2",
+     "it skips the modules without parameters of their own: every module counts"),
+    (lambda a, ok: a["a container's own forward"] is None and a["the model itself"] is None and ok("partial inf"),
+     "it skips the modules that have children: hook every module, containers and the model itself too"),
+    (lambda a, ok: a["a container's own forward"] is None and ok("the model itself") and ok("partial inf"),
+     "it skips the modules that have children: hook every module, containers too"),
+    (lambda a, ok: a["the model itself"] is None and ok("a container's own forward") and ok("partial inf"),
+     "it skips the model itself: named_modules() lists it too, with the name ''"),
+    (lambda a, ok: a["a container, then a leaf"] == "2" and ok("a container's own forward") and ok("partial inf"),
+     "it prefers a leaf module to the container whose own forward made the value: every module counts, the first to finish wins"),
+    (lambda a, ok: a["a nested tuple"] is None and ok("partial inf") and ok("the model itself"),
+     "it misses non-finite values inside a tuple output: look at every tensor of an output, nested tuples included "
+     "(an LSTM returns output, (h, c))"),
+]
+
+
 def _nonfinite_fault(fn: Callable) -> str:
-    """Run the learner's function on the probes, whose first non-finite output is module '1' in each; name the rule its answers
-    follow when they fit one of the usual mistakes exactly, else ''."""
+    """Run the learner's function on the probes; name the usual mistake whose answers its answers fit, else ''."""
     x = torch.randn(2, 3, generator=torch.Generator().manual_seed(24))
-    global_before, answers = _global_hooks(), {}
+    global_before, answers, culprits = _global_hooks(), {}, {}
     try:
-        for label, model in _probes().items():
+        for label, (model, culprit) in _probes().items():
+            culprits[label] = culprit
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 answers[label] = fn(model, x)
@@ -1015,16 +1131,7 @@ def _nonfinite_fault(fn: Callable) -> str:
     finally:
         for d, key in _global_hooks() - global_before:
             getattr(module_globals, d).pop(key, None)
-    if answers["a container's own forward"] is None and all(answers[k] == "1" for k in answers if k != "a container's own forward"):
-        return "it skips the modules that have children: hook every module, containers and the model itself too"
-    answers.pop("a container's own forward")
-    if answers == {"partial inf": None, "partial NaN": "1", "inf everywhere": None}:
-        return "it tests for NaN only, and misses inf: test with torch.isfinite"
-    if answers == {"partial inf": None, "partial NaN": "2", "inf everywhere": "1"}:
-        return "it flags an output only when every element is non-finite: flag it when any element is (not t.isfinite().all())"
-    if answers["partial inf"] == "2" and answers["partial NaN"] == "2":
-        return "it names the module after the culprit, whose input holds the non-finite value: test each module's output"
-    return ""
+    return next((fault for fits, fault in NONFINITE_RULES if fits(answers, lambda k: answers[k] == culprits[k])), "")
 
 
 @exercise("first_nonfinite")
@@ -1042,7 +1149,7 @@ def check_first_nonfinite(fn) -> None:
         model.recount()
         got = call(fn, model, x, shown=shown, hints=hints)
         _expect_no_hooks(model, global_before, what, kept=kept)
-        _expect_one_run(model, what)
+        _expect_one_run(model, what, x)
         _expect_tensor_unchanged(x_before, False, x, what, "x")
         if any(p.grad is not None for p in model.parameters()):
             raise ExerciseFailed(f"{what} filled the parameters' .grad: finding a non-finite output needs the forward pass only")
@@ -1057,23 +1164,14 @@ def check_first_nonfinite(fn) -> None:
         name = repr(expected) if expected else "'' (the model itself)"
         if expected is None:
             raise ExerciseFailed(f"{what} returned {got!r}, expected None: every module's output is finite")
-        if got is None and expected == "" and _nonfinite_fault(fn).startswith("it skips the modules that have children"):
-            raise ExerciseFailed(f"{what} returned None, expected '' (the model itself): {_nonfinite_fault(fn)}")
-        if got is None and expected == "":
-            raise ExerciseFailed(
-                f"{what} returned None, but the model's own forward turned its sub-modules' finite outputs into a non-finite one: "
-                "hook the model itself too (named_modules() lists it, with the name '')"
-            )
-        if got is None and next(is_tuple for n, _, _, is_tuple, _ in run if n == expected):
-            raise ExerciseFailed(
-                f"{what} returned None, but {name} returned a tuple that holds inf: look at every tensor in a module's output, "
-                "nested tuples included"
-            )
         if isinstance(got, str) and got in flagged and (got == "" or expected.startswith(got + ".")):
             raise ExerciseFailed(
                 f"{what} returned {got!r}, but its sub-module {name} produced the non-finite value first: "
                 "a sub-module finishes, and its forward hook runs, before its parent's"
             )
+        fault = _nonfinite_fault(fn)
+        if fault:
+            raise ExerciseFailed(f"{what} returned {got!r}, expected {name}: {fault}")
         if got in flagged and got == min(flagged, key=order.index) and got != flagged[0]:
             raise ExerciseFailed(
                 f"{what} returned {got!r}, the first non-finite output in named_modules() order; {name} was the first to produce one "
@@ -1089,11 +1187,11 @@ def check_first_nonfinite(fn) -> None:
         if got in ran and ran.index(got) == ran.index(expected) - 1:
             raise ExerciseFailed(f"{what} returned {got!r}, the module that finished just before {name}, which produced the first "
                                  "non-finite output")
-        if got in flagged and next(modules[expected].children(), None) is not None and next(modules[got].children(), None) is None:
-            raise ExerciseFailed(f"{what} returned {got!r}; {name}, a module with children, produced the first non-finite output in its "
-                                 "own forward: every module counts, containers and the model itself too")
-        fault = _nonfinite_fault(fn)
-        raise ExerciseFailed(f"{what} returned {got!r}, expected {name}" + (f": {fault}" if fault else ""))
+        if got is None and expected == "":
+            raise ExerciseFailed(f"{what} returned None; the model's own forward made a non-finite output from its sub-modules' finite ones")
+        if got is None and next(is_tuple for n, _, _, is_tuple, _ in run if n == expected):
+            raise ExerciseFailed(f"{what} returned None; {name} returned a tuple that holds inf")
+        raise ExerciseFailed(f"{what} returned {got!r}, expected {name}")
 
     tripped = _Ordered(trip=True)
     x = torch.randn(2, 5, generator=torch.Generator().manual_seed(22))
@@ -1238,13 +1336,14 @@ def _memory_mix_ups(steps: Callable[[], dict], names: list[str], expected: dict[
         peaks[name] = max(itertools.accumulate(changes), default=0)
         allocations[name] = sum(c for c in changes if c > 0)
         frees[name] = sum(c for c in changes if c < 0)
-    every_row, operators = {}, {}
+    every_row, operators, aten_rows = {}, {}, {}
     for name, phase in _Phases(steps()).phases().items():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as one:
             phase()
         rows = one.key_averages()
         every_row[name] = sum(event.cpu_memory_usage for event in rows)
         operators[name] = sum(event.self_cpu_memory_usage for event in rows if event.key != "[memory]")
+        aten_rows[name] = sum(event.cpu_memory_usage for event in rows if event.key.startswith("aten::"))
     return {
         "each phase's peak (the most it held at once) instead of what it left allocated when it ended": peaks,
         "each phase's peak (the most it held at once) instead of what it left allocated when it ended ": {n: max(0, v) for n, v in peaks.items()},
@@ -1257,6 +1356,8 @@ def _memory_mix_ups(steps: Callable[[], dict], names: list[str], expected: dict[
             dict(zip(names, itertools.accumulate(expected[n] for n in names))),
         "for each phase, the sum of every row's cpu_memory_usage, which counts an operator's allocations again in each operator "
         "that called it: read one region's cpu_memory_usage, or sum the self column": every_row,
+        "for each phase, the sum of the aten:: rows' cpu_memory_usage, which counts an operator's allocations again in each "
+        "operator that called it (aten::ones calls aten::empty): read one region's cpu_memory_usage, or sum the self column": aten_rows,
         "the operators' own allocations only: a free that happens outside every operator (a tensor's last reference dropped) "
         "has a row of its own, '[memory]', which counts too": operators,
         "negative numbers clipped to 0: a phase that frees more than it allocates leaves a negative number": {n: max(0, v) for n, v in expected.items()},
@@ -1281,7 +1382,9 @@ def check_memory_by_phase(fn) -> None:
         try:
             with _watching_profilers() as started:
                 hidden.started = started
-                got = call(fn, phases, shown=f"{label}: {names}")
+                got = call(fn, phases, shown=f"{label}: {names}", hints={
+                    "element 0 of tensors does not require grad": "a phase's backward found no graph: the phases ran with gradients "
+                                                                  "off (torch.no_grad() or inference_mode); run them as they are"})
         finally:
             left_on = _profiler_running()
             if left_on:
@@ -1333,7 +1436,7 @@ def check_memory_by_phase(fn) -> None:
         if got == cumulative:
             raise ExerciseFailed(f"{what}: each phase's number includes the phases after it: close each phase's region before the next phase starts")
         mix_up = next((text.strip() for text, values in _memory_mix_ups(steps, names, expected).items()
-                       if values != expected and got == values), None)
+                       if values != expected and any(values.values()) and got == values), None)
         if mix_up:
             raise ExerciseFailed(f"{what} returned {mix_up}")
         wrong = next(n for n in names if got[n] != expected[n])
@@ -1527,10 +1630,10 @@ def _judge_forward(watch: _BlockWatch, got: torch.Tensor, n: int, what: str) -> 
     fault = _order_fault(watch.forward_order(), n)
     if fault:
         raise ExerciseFailed(f"{what} {fault}")
+    if not any(grad_on for _, grad_on, _, _ in forward):
+        raise ExerciseFailed(f"{what} ran the blocks with gradient recording off (torch.is_grad_enabled() was False, as under "
+                             "torch.no_grad()): its output has no graph through them to backpropagate")
     if not got.requires_grad:
-        if not any(grad_on for _, grad_on, _, _ in forward):
-            raise ExerciseFailed(f"{what} ran the blocks with gradient recording off (torch.is_grad_enabled() was False, as under "
-                                 "torch.no_grad()): its output has no graph to backpropagate through")
         raise ExerciseFailed(f"{what} returned an output that does not require grad, though the blocks ran with gradients on: "
                              "it was detached after them")
     cut = [i for i, _, _, needs_grad in forward if i > 0 and not needs_grad]

@@ -1085,13 +1085,13 @@ WRONG = [
     (L.check_add_gradient_reversal, gr_negated_value, "output with the reversal on .the forward pass must not change.: wrong values"),
     (L.check_add_gradient_reversal, gr_freezes_the_module, "switched requires_grad off for offset, which was trainable"),
     (L.check_add_gradient_reversal, lambda module, strength: (lambda *a: None), "returned a function: return the handle"),
-    (L.check_first_nonfinite, fn_isnan_only, "returned 'norm', expected 'block.1': it tests for NaN only, and misses inf: test with torch.isfinite"),
+    (L.check_first_nonfinite, fn_isnan_only, "returned 'norm', expected 'block.1': it tests for NaN only and misses inf: test with torch.isfinite"),
     (L.check_first_nonfinite, fn_leaves_only, "returned None, expected '' .the model itself.: it skips the modules that have children: hook every module"),
     (L.check_first_nonfinite, fn_children_only, "returned 'block', but its sub-module 'block.1' produced the non-finite value first"),
     (L.check_first_nonfinite, fn_named_modules_order, r"returned 'head', the first non-finite output in named_modules\(\) order; 'block.1'"),
     (L.check_first_nonfinite, fn_last, "returned 'out', the last module with a non-finite output; expected the first, 'block.1'"),
     (L.check_first_nonfinite, fn_tensor_outputs_only, r"raised AttributeError: 'tuple' object has no attribute 'isfinite' \(a module's output can be a tuple"),
-    (L.check_first_nonfinite, fn_first_element_of_tuples, "returned None, but 'split' returned a tuple that holds inf"),
+    (L.check_first_nonfinite, fn_first_element_of_tuples, "returned None, expected 'split': it misses non-finite values inside a tuple output"),
     (L.check_first_nonfinite, fn_no_remove, r"left hooks on \['the model itself', 'head', 'norm', 'block', 'block.0', 'block.1', 'embed', 'out'\]"),
     (L.check_first_nonfinite, fn_not_in_finally, "let the model's ModelError through and left hooks"),
     (L.check_first_nonfinite, fn_returns_the_module, r"returned the module itself \(_Exp\): return its name"),
@@ -1305,7 +1305,7 @@ SECOND_SET = [
     (L.check_first_nonfinite, fn_class_name, "returned '_Exp', the class of the culprit"),
     (L.check_first_nonfinite, fn_with_a_prefix, "returned 'model.block.1', a name with a prefix"),
     (L.check_first_nonfinite, fn_clearing_every_hook, "removed 1 hook that the caller had put on the model"),
-    (L.check_first_nonfinite, fn_first_leaf, "returned 'head'; 'block', a module with children, produced the first non-finite output"),
+    (L.check_first_nonfinite, fn_first_leaf, "returned 'head', expected 'block': it prefers a leaf module to the container whose own forward made"),
     (L.check_memory_by_phase, mem_no_regions, "returned the same number for every phase, the whole run's total"),
     (L.check_memory_by_phase, mem_call_counts, "returned each region's count of calls"),
     (L.check_checkpoint_segments, cs_sequential_of_the_slice, r"a ModuleList cannot be called.*nn.Sequential\(\*blocks\[i:j\]\)"),
@@ -1318,6 +1318,122 @@ SECOND_SET = [
 
 @pytest.mark.parametrize("check, wrong, message", SECOND_SET, ids=[f"{c.exercise_name}-{w.__name__}" for c, w, m in SECOND_SET])
 def test_second_set_of_wrong_answers_name_the_fault(check, wrong, message):
+    assert_names_fault(check, wrong, message)
+
+
+# A third set, written after the second revision, run once before any change (the general ones)
+
+def capture_paired_in_run_order(model, x, names):
+    outputs, handles, modules = [], [], dict(model.named_modules())
+    try:
+        for name in names:
+            handles.append(modules[name].register_forward_hook(lambda m, a, o: outputs.append(o.detach())))
+        model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return dict(zip(names, outputs))
+
+
+def capture_on_a_batch_of_one_more_dim(model, x, names):
+    return L.capture_activations(model, x.unsqueeze(0), names)
+
+
+def lgn_paired_in_firing_order(model, x, y, loss_fn, names):
+    fired, handles, modules = [], [], dict(model.named_modules())
+    try:
+        for name in names:
+            handles.append(modules[name].register_full_backward_hook(lambda m, gin, gout: fired.append(gout[0].norm().item())))
+        torch.autograd.grad(loss_fn(model(x), y), [p for p in model.parameters() if p.requires_grad])
+    finally:
+        for h in handles:
+            h.remove()
+    return dict(zip(names, fired))
+
+
+def lgn_hook_returns_the_norm(model, x, y, loss_fn, names):
+    return _lgn(model, x, y, loss_fn, names, lambda norms, name: lambda m, gin, gout: norms.setdefault(name, gout[0].norm().item()))
+
+
+def lgn_spectral_norm(model, x, y, loss_fn, names):
+    return _lgn(model, x, y, loss_fn, names,
+                lambda norms, name: lambda m, gin, gout: norms.__setitem__(name, torch.linalg.norm(gout[0], ord=2).item()))
+
+
+def fn_misses_minus_inf(model, x):
+    return _fn(model, x, test=lambda o: any((t.isnan() | (t == math.inf)).any() for t in L.tensors_in(o)))
+
+
+def fn_misses_nan(model, x):
+    return _fn(model, x, test=lambda o: any((t.abs() == math.inf).any() for t in L.tensors_in(o)))
+
+
+def fn_parameter_modules_only(model, x):
+    return _fn(model, x, modules=lambda m: [(n, c) for n, c in m.named_modules() if list(c.parameters(recurse=False))])
+
+
+def fn_first_sample_only(model, x):
+    return L.first_nonfinite(model, x[:1])
+
+
+def mem_aten_rows(phases):
+    result = {}
+    for name, phase in phases.items():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            phase()
+        result[name] = int(sum(e.cpu_memory_usage for e in prof.key_averages() if e.key.startswith("aten::")))
+    return result
+
+
+def mem_under_no_grad(phases):
+    with torch.no_grad():
+        return L.memory_by_phase(phases)
+
+
+def cs_under_no_grad_then_a_leaf(blocks, x, size):
+    with torch.no_grad():
+        out = L.checkpoint_segments(blocks, x, size)
+    return out.requires_grad_()
+
+
+def gr_first_call_only(module, strength):
+    done = []
+
+    def pre(m, args):
+        (x,) = args
+        if not done and torch.is_grad_enabled() and x.requires_grad:
+            done.append(True)
+            lam = strength()
+            y = x.view_as(x)
+            y.register_hook(lambda g: -lam * g)
+            return (y,)
+    return module.register_forward_pre_hook(pre)
+
+
+def gr_one_minus_strength(module, strength):
+    return module.register_forward_pre_hook(lambda m, args: (args[0] + (args[0] - args[0].detach()) * -strength(),))
+
+
+THIRD_SET = [
+    (L.check_capture_activations, capture_paired_in_run_order, r"\['head'\] is 'stem''s output: store each output under its own module's name"),
+    (L.check_capture_activations, capture_on_a_batch_of_one_more_dim, r"ran the model on an input other than x \(of shape \(1, 5, 6\)"),
+    (L.check_layer_grad_norms, lgn_paired_in_firing_order, r"\['stem'\] is .*, the norm at 'head''s output.*under its own layer's name"),
+    (L.check_layer_grad_norms, lgn_hook_returns_the_norm, r"has no len\(\) \(a full backward hook's return value replaces grad_input"),
+    (L.check_layer_grad_norms, lgn_spectral_norm, r"the spectral norm \(the largest singular value"),
+    (L.check_first_nonfinite, fn_misses_minus_inf, "returned 'head', expected 'log': it misses -inf"),
+    (L.check_first_nonfinite, fn_misses_nan, "expected '' .the model itself.: it misses NaN"),
+    (L.check_first_nonfinite, fn_parameter_modules_only, "it skips the modules without parameters of their own"),
+    (L.check_first_nonfinite, fn_first_sample_only, r"ran the model on an input other than x \(of shape \(1, 5\)"),
+    (L.check_memory_by_phase, mem_aten_rows, "the sum of the aten:: rows' cpu_memory_usage"),
+    (L.check_memory_by_phase, mem_under_no_grad, "element 0 of tensors does not require grad.*a phase's backward found no graph"),
+    (L.check_checkpoint_segments, cs_under_no_grad_then_a_leaf, "ran the blocks with gradient recording off"),
+    (L.check_add_gradient_reversal, gr_first_call_only, "only the first forward call's gradient was reversed"),
+    (L.check_add_gradient_reversal, gr_one_minus_strength, r"multiplied by 1 - strength\(\), not -strength\(\)"),
+]
+
+
+@pytest.mark.parametrize("check, wrong, message", THIRD_SET, ids=[f"{c.exercise_name}-{w.__name__}" for c, w, m in THIRD_SET])
+def test_third_set_of_wrong_answers_name_the_fault(check, wrong, message):
     assert_names_fault(check, wrong, message)
 
 
@@ -1387,7 +1503,7 @@ def test_errors_inside_the_learners_code_are_one_short_line(check, wrong, messag
 
 def test_nonfinite_cases_have_the_culprits_the_check_expects():
     culprits = [L.first_nonfinite(make(), x) for _, make, x in L._nonfinite_cases()]
-    assert culprits == [None, "block.1", None, "split", "", "block"]
+    assert culprits == [None, "block.1", None, "split", "", "block", "log"]
 
 
 def test_tensor_phases_have_the_sizes_a_learner_can_work_out():
