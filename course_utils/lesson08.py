@@ -28,7 +28,6 @@ from course_utils.tooling.checks import (
     exercise,
     expect_callable,
     expect_tensor,
-    expect_unchanged,
     first_line,
     learner_frame,
     scoreboard_for,
