@@ -77,6 +77,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("course_strict_warnings", False):
         # Show every deprecation, not only __main__'s.
         os.environ["PYTHONWARNINGS"] = "default::DeprecationWarning,default::FutureWarning"
+    if config.getoption("nbval", False):
+        # Strict nbval compares saved outputs digit for digit: its kernels use the kernels the build used.
+        from course_utils.reproducibility import same_kernels_env
+
+        os.environ.update(same_kernels_env())
     if config.getoption("course_report", None):
         # The scoreboard leaves through a pipe only this process holds: no notebook may open it through /proc.
         not_dumpable()
