@@ -140,6 +140,10 @@ _SHAPE_MISTAKES = {
     "linear": "a Linear replaced every dimension after the batch: it acts on the last dimension only, the others pass through",
     "flatten": "Flatten merged every dimension after the batch: it merges its start_dim to its end_dim "
     "(Flatten(start_dim=2) keeps the channels apart)",
+    "end_dim": "Flatten merged every dimension from its start_dim to the last: it stops at its end_dim "
+    "(Flatten(1, 2) turns (N, C, H, W) into (N, C * H, W))",
+    "pool dilation": "the pooling shapes ignore dilation: MaxPool2d has a dilation too, which spreads its window "
+    "as a Conv2d's (AvgPool2d has none)",
 }
 
 
@@ -154,14 +158,15 @@ def _predict(model: nn.Sequential, input_shape: tuple[int, ...], fault: str | No
     for layer in model:
         if isinstance(layer, (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)):
             kernel, stride, padding = pair(layer.kernel_size), pair(layer.stride), pair(layer.padding)
-            dilation = (1, 1) if fault == "dilation" else pair(getattr(layer, "dilation", 1))
+            ignored = fault == "dilation" or (fault == "pool dilation" and not isinstance(layer, nn.Conv2d))
+            dilation = (1, 1) if ignored else pair(getattr(layer, "dilation", 1))
             for i, dim in enumerate((-2, -1)):
                 top = shape[dim] + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1
                 shape[dim] = (-(-top // stride[i]) if fault == "ceil" else top // stride[i]) + 1
             if isinstance(layer, nn.Conv2d) and fault != "channels":
                 shape[-3] = layer.out_channels
         elif isinstance(layer, nn.Flatten):
-            start, end = (1, -1) if fault == "flatten" else (layer.start_dim, layer.end_dim)
+            start, end = (1, -1) if fault == "flatten" else (layer.start_dim, -1 if fault == "end_dim" else layer.end_dim)
             start, end = start % len(shape), end % len(shape)
             shape[start : end + 1] = [math.prod(shape[start : end + 1])]
         elif isinstance(layer, nn.Linear):
@@ -171,7 +176,8 @@ def _predict(model: nn.Sequential, input_shape: tuple[int, ...], fault: str | No
 
 
 def _shape_models() -> list[tuple[nn.Sequential, tuple[int, ...], str]]:
-    """Hidden models: pairs of settings, dilation, padded and default-stride pooling, Flatten(start_dim=2), batch of 1."""
+    """Hidden models: pairs of settings, dilation (of a pool too), padded and default-stride pooling, Flatten(start_dim=2),
+    Flatten(1, 2), batch of 1."""
     first = nn.Sequential(
         nn.Conv2d(3, 10, kernel_size=(3, 5), stride=(2, 1), padding=(1, 2)), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(10, 12, 3, dilation=2), nn.BatchNorm2d(12), nn.AvgPool2d(3, stride=2, padding=1),
@@ -184,10 +190,14 @@ def _shape_models() -> list[tuple[nn.Sequential, tuple[int, ...], str]]:
         nn.Conv2d(1, 6, kernel_size=(4, 3), stride=2, padding=(0, 3), dilation=(1, 2)), nn.ReLU(),
         nn.MaxPool2d(3, stride=1, padding=1), nn.AvgPool2d((3, 2)), nn.Flatten(), nn.Linear(54, 13),
     )
+    fourth = nn.Sequential(
+        nn.Conv2d(3, 5, 3, padding=2), nn.MaxPool2d(3, stride=2, dilation=2), nn.Flatten(1, 2), nn.Linear(11, 6),
+    )
     return [
         (first, (2, 3, 37, 30), "a 9-layer CNN"),
         (second, (1, 2, 41, 50), "a CNN ending in Flatten(start_dim=2), Linear"),
         (third, (3, 1, 20, 9), "a CNN with a dilated (4, 3) kernel"),
+        (fourth, (2, 3, 17, 23), "a CNN with a dilated MaxPool2d and Flatten(1, 2)"),
     ]
 
 
@@ -708,13 +718,14 @@ def check_evaluate(fn) -> None:
             model[1].eval()
             model[0].requires_grad_(False)
 
-    scenarios = [
-        ("train", batches, right, "a model in train mode, batches of 8, 8 and 3"),
-        ("eval", batches, right, "a model in eval mode, batches of 8, 8 and 3"),
-        ("mixed", batches, right, "a model in train mode with its BatchNorm in eval mode, batches of 8, 8 and 3"),
-        ("train", tiny, right_tiny, "a model in train mode, batches of 1 and 5"),
+    scenarios = [  # (modes, batches, right answers per batch, shown, whether the caller tracks gradients)
+        ("train", batches, right, "a model in train mode, batches of 8, 8 and 3", True),
+        ("eval", batches, right, "a model in eval mode, batches of 8, 8 and 3", True),
+        ("mixed", batches, right, "a model in train mode with its BatchNorm in eval mode, batches of 8, 8 and 3", True),
+        ("train", tiny, right_tiny, "a model in train mode, batches of 1 and 5", True),
+        ("train", tiny, right_tiny, "a model in train mode, batches of 1 and 5, called inside the caller's torch.no_grad()", False),
     ]
-    for mode, data, right, shown in scenarios:
+    for mode, data, right, shown, caller_grad in scenarios:
         set_up(mode)
         before = _snapshot(model)
         flags = {name: p.requires_grad for name, p in model.named_parameters()}
@@ -723,7 +734,7 @@ def check_evaluate(fn) -> None:
         handles = [m.register_forward_pre_hook(_recorder(name, seen)) for name, m in model.named_modules()]
         what = f"evaluate({shown})"
         try:
-            with torch.enable_grad():  # restores the caller's setting, whatever the learner's code sets
+            with torch.set_grad_enabled(caller_grad):  # restores the caller's setting, whatever the learner's code sets
                 got = call(fn, model, inputs, shown=shown, hints=_EVAL_HINTS)
                 grad_after = torch.is_grad_enabled()
         finally:
@@ -735,9 +746,14 @@ def check_evaluate(fn) -> None:
             raise ExerciseFailed(f"{what} ran {layer} in train mode: switch the model to eval mode before running it")
         if any(grad for *_, grad in seen):
             raise ExerciseFailed(f"{what} ran the model with gradient tracking on: run it under torch.no_grad() (or torch.inference_mode())")
-        if not grad_after:
+        if grad_after != caller_grad and caller_grad:
             raise ExerciseFailed(
                 f"{what} left gradient tracking switched off for everything after it: use `with torch.no_grad():`, which ends with its block"
+            )
+        if grad_after != caller_grad:
+            raise ExerciseFailed(
+                f"{what} switched gradient tracking on for the code after it, which had it off: put back the setting you found "
+                "(a `with torch.no_grad():` block does; torch.set_grad_enabled(True) does not)"
             )
         for name, training in before["modes"].items():
             now = model.get_submodule(name).training
@@ -823,13 +839,21 @@ def _new_head(head_name: str) -> nn.Module:
     return nn.Linear(24, 13) if head_name == "head" else nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 5))
 
 
-def _model_factory(head_name: str, built: list[str]) -> Callable[[], nn.Module]:
-    """The learner's make_model: builds the new model, noting on which device each call builds it."""
+def _model_factory(head_name: str, built: list[str], allocated: list[str]) -> Callable[[], nn.Module]:
+    """The learner's make_model: builds the new model, noting on which device each call builds it, and which of its
+    tensors already held memory when load_state_dict came to fill them from the checkpoint."""
+
+    def note_allocated(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+        for name, t in itertools.chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False)):
+            if prefix + name in state_dict and not t.is_meta:
+                allocated.append(prefix + name)
 
     def make_model() -> nn.Module:
         built.append(torch.empty(0).device.type)
         model = _Finetuned(head_name, _new_head(head_name))
         model.body[0].requires_grad_(False)  # fine-tuning keeps the first layer frozen
+        for module in model.modules():
+            module.register_load_state_dict_pre_hook(note_allocated)
         return model
 
     return make_model
@@ -863,7 +887,8 @@ def check_load_pretrained(fn) -> None:
         shown = f"make_model (a new {head_name}), a checkpoint with the body and an old {old_head_name}"
         what = f"load_pretrained({shown})"
         built: list[str] = []
-        make_model = _model_factory(head_name, built)
+        allocated: list[str] = []
+        make_model = _model_factory(head_name, built, allocated)
 
         with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as folder:
             path = os.path.join(folder, "pretrained.pt")
@@ -887,12 +912,14 @@ def check_load_pretrained(fn) -> None:
                     f"{what} left the default device at {left}: build inside `with torch.device('meta'):`, which ends with its block"
                 )
             try:
-                _expect_pretrained(got, built, checkpoint, path, head_name, old_keys, what)
+                _expect_pretrained(got, built, allocated, checkpoint, path, head_name, old_keys, what)
             finally:
                 del got
 
 
-def _expect_pretrained(got: Any, built: list[str], checkpoint: dict, path: str, head_name: str, old_keys: list[str], what: str) -> None:
+def _expect_pretrained(
+    got: Any, built: list[str], allocated: list[str], checkpoint: dict, path: str, head_name: str, old_keys: list[str], what: str
+) -> None:
     if not built:
         raise ExerciseFailed(f"{what} never called make_model(): build the model with it")
     if len(built) > 1:
@@ -901,6 +928,11 @@ def _expect_pretrained(got: Any, built: list[str], checkpoint: dict, path: str, 
         raise ExerciseFailed(
             f"{what} called make_model() on the {built[0]} device, which allocates and initialises every weight only to "
             "overwrite it: build it inside `with torch.device('meta'):`"
+        )
+    if allocated:
+        raise ExerciseFailed(
+            f"{what} gave {allocated[0]} memory before load_state_dict filled it from the checkpoint: that allocates a weight "
+            "the file then overwrites; load first (assign=True), then give memory (to_empty) only to the layers the checkpoint lacks"
         )
     expect_module(got, what=what)
     tensors = dict(itertools.chain(got.named_parameters(), got.named_buffers()))

@@ -86,8 +86,8 @@ def test_the_normal_test_accepts_normal_values_and_rejects_uniform_ones():
 
 # ---- layer_shapes ---------------------------------------------------------------------------------
 
-def learner_shapes(*, dilation=True, pairs=True, floor=True, channels=True, linear_last=True, flatten_dims=True,
-                   batch=True, as_float=False, inner=tuple, final_only=False, with_input=False):
+def learner_shapes(*, dilation=True, pool_dilation=True, pairs=True, floor=True, channels=True, linear_last=True,
+                   flatten_dims=True, end_dim=True, batch=True, as_float=False, inner=tuple, final_only=False, with_input=False):
     """A learner's layer_shapes, with one or more typical mistakes switched on."""
 
     def answer(model, input_shape):
@@ -102,6 +102,7 @@ def learner_shapes(*, dilation=True, pairs=True, floor=True, channels=True, line
             if isinstance(layer, (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)):
                 k, s, p = both(layer.kernel_size), both(layer.stride), both(layer.padding)
                 d = both(getattr(layer, "dilation", 1)) if dilation else (1, 1)
+                d = d if pool_dilation or isinstance(layer, nn.Conv2d) else (1, 1)
                 for i in (0, 1):
                     top = shape[2 + i] + 2 * p[i] - d[i] * (k[i] - 1) - 1
                     size = top / s[i] + 1 if as_float else (math.ceil(top / s[i]) if not floor else top // s[i]) + 1
@@ -110,7 +111,8 @@ def learner_shapes(*, dilation=True, pairs=True, floor=True, channels=True, line
                     shape[1] = layer.out_channels
             elif isinstance(layer, nn.Flatten):
                 start = layer.start_dim if flatten_dims else 1
-                shape = shape[:start] + [math.prod(shape[start:])]
+                end = layer.end_dim % len(shape) + 1 if flatten_dims and end_dim else len(shape)
+                shape = shape[:start] + [math.prod(shape[start:end])] + shape[end:]
             elif isinstance(layer, nn.Linear):
                 shape = shape[:-1] + [layer.out_features] if linear_last else [shape[0], layer.out_features]
             shapes.append(inner(shape if batch else shape[1:]))
@@ -146,8 +148,8 @@ def shapes_as_sizes(model, input_shape):
             if hasattr(layer, "out_channels"):
                 dims[-3] = layer.out_channels
         elif isinstance(layer, nn.Flatten):
-            start = layer.start_dim % len(dims)
-            dims = dims[:start] + [math.prod(dims[start:])]
+            start, stop = layer.start_dim % len(dims), layer.end_dim % len(dims) + 1
+            dims = dims[:start] + [math.prod(dims[start:stop])] + dims[stop:]
         elif isinstance(layer, nn.Linear):
             dims[-1] = layer.out_features
         result.append(torch.Size(dims))
@@ -195,6 +197,8 @@ def test_layer_shapes_accepts(answer):
     (learner_shapes(channels=False), "out_channels channels"),
     (learner_shapes(linear_last=False), "acts on the last dimension only"),
     (learner_shapes(flatten_dims=False), r"merges its start_dim to its end_dim"),
+    (learner_shapes(end_dim=False), r"merged every dimension from its start_dim to the last: it stops at its end_dim"),
+    (learner_shapes(pool_dilation=False), r"the pooling shapes ignore dilation: MaxPool2d has a dilation too"),
     (learner_shapes(batch=False), "leave out the batch dimension"),
     (learner_shapes(as_float=True), r"holds a float, expected ints: use //"),
     (learner_shapes(inner=list), r"\[0\] is a list, expected a tuple of ints"),
@@ -619,7 +623,7 @@ def test_evaluate_accepts(answer):
 
 
 def learner_evaluate(*, eval_mode=True, no_grad=True, restore="each", average="samples", returns="float", freeze=False,
-                     global_off=False):
+                     global_off=False, global_on_after=False):
     """A learner's evaluate, with one or more typical mistakes switched on."""
 
     def evaluate(model, batches):
@@ -643,6 +647,8 @@ def learner_evaluate(*, eval_mode=True, no_grad=True, restore="each", average="s
             model.train(was_training)
         elif restore == "train":
             model.train()
+        if global_on_after:
+            torch.set_grad_enabled(True)
         if average == "batches":
             accuracy = sum(r / s for r, s in zip(rights, sizes)) / len(sizes)
         elif average == "full batches":
@@ -658,6 +664,8 @@ def learner_evaluate(*, eval_mode=True, no_grad=True, restore="each", average="s
     (learner_evaluate(eval_mode=False), "ran the model in train mode: switch the model to eval mode"),
     (learner_evaluate(no_grad=False), r"gradient tracking on: run it under torch\.no_grad\(\)"),
     (learner_evaluate(global_off=True), "left gradient tracking switched off for everything after it"),
+    (learner_evaluate(global_off=True, no_grad=False, global_on_after=True),
+     r"called inside the caller's torch.no_grad\(\)\) switched gradient tracking on for the code after it, which had it off"),
     (learner_evaluate(restore=None), "the model is in eval mode, but it was in train mode: put back the mode the model had"),
     (learner_evaluate(restore="train"), r"the model is in train mode, but it was in eval mode: put back the mode the model had \(eval\)"),
     (learner_evaluate(restore="top"), r"'1' \(BatchNorm1d\) is in train mode, but it was in eval mode: model\.train\(\) sets every sub-module"),
@@ -791,7 +799,8 @@ def learner_load(*, meta="context", mmap=True, assign=True, strict=False, head="
                                  r"the new head and holds the old classifier: strict=False loads what matches")),
     (learner_load(assign=False), r"scale is still on the meta device, though the checkpoint holds it: load_state_dict\(\.\.\., assign=True\)"),
     (learner_load(mmap=False), "the weights are not the tensors mapped from the file"),
-    (learner_load(after="to_empty first", assign=False), "the weights are not the tensors mapped from the file"),
+    (learner_load(after="to_empty first", assign=False), "gave scale memory before load_state_dict filled it from the checkpoint"),
+    (learner_load(after="to_empty first"), r"gave scale memory before load_state_dict filled it.*load first \(assign=True\), then give memory \(to_empty\) only to the layers"),
     (learner_load(head=None), "head.weight is still on the meta device: the checkpoint lacks it"),
     (learner_load(head="empty"), r"head.weight does not hold a new layer's values, uniform within ±0\.2041"),
     (learner_load(head="xavier"), r"head.weight does not hold a new layer's values"),
