@@ -99,6 +99,23 @@ def make_causal_attention(embed_dim: int, num_heads: int, max_len: int) -> nn.Mo
     return CausalSelfAttention()
 
 
+def make_norm_block(f: nn.Module, dim: int, norm_first: bool) -> nn.Module:
+    """A residual block around the sublayer f with a LayerNorm(dim) of its own: x + f(norm(x)) if norm_first, else norm(x + f(x))."""
+
+    class NormBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = f
+            self.norm = nn.LayerNorm(dim)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if norm_first:
+                return x + self.f(self.norm(x))  # pre-norm (GPT-2 onward): the skip path stays untouched
+            return self.norm(x + self.f(x))  # post-norm (the original Transformer)
+
+    return NormBlock()
+
+
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """The accuracy of model over batches, in eval mode and without a graph; every module keeps the mode it had."""
     modes = {module: module.training for module in model.modules()}
@@ -658,6 +675,122 @@ def check_make_causal_attention(fn) -> None:
                         if torch.allclose(got.detach(), _attend(x0, module.qkv, module.proj, heads, fault), atol=1e-5):
                             raise ExerciseFailed(f"{what}: {message}")
             expect_tensor(got, expected, what=label, atol=1e-5)
+
+
+# ---- make_norm_block ----------------------------------------------------------------------------
+
+class _Sublayer(nn.Module):
+    """The hidden f of make_norm_block: a small MLP that notes each call's input."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.inputs: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inputs.append(x.detach().clone())
+        return self.down(F.gelu(self.up(x)))
+
+
+def _orders(x: torch.Tensor, f: Callable, norm: Callable) -> dict[str, torch.Tensor]:
+    """What each way of combining x, f and norm gives: the two right orders and the typical mistakes."""
+    return {
+        "pre": x + f(norm(x)),
+        "post": norm(x + f(x)),
+        "normed skip": norm(x) + f(norm(x)),
+        "no skip, pre": f(norm(x)),
+        "no skip, post": norm(f(x)),
+        "norm of f": x + norm(f(x)),
+        "norm twice": norm(x + f(norm(x))),
+    }
+
+
+_ORDER_NAMES = {"pre": "the pre-norm order, x + f(norm(x))", "post": "the post-norm order, norm(x + f(x))"}
+_ORDER_FAULTS = {
+    "normed skip": "adds norm(x) to the branch, norm(x) + f(norm(x)): in pre-norm only f sees the normalised x; "
+    "the skip carries x itself, untouched",
+    "no skip, pre": "returns f(norm(x)) with no skip connection: add x, the residual",
+    "no skip, post": "returns norm(f(x)) with no skip connection: add x before the norm, norm(x + f(x))",
+    "norm of f": "returns x + norm(f(x)), which normalises f's output: pre-norm normalises f's input, post-norm the sum",
+    "norm twice": "applies the norm both to f's input and to the sum, norm(x + f(norm(x))): use one, as norm_first says",
+}
+
+
+def _norm_cases() -> list[tuple[int, int, bool, tuple[int, ...]]]:
+    """(dim, hidden, norm_first, input shape): both orders for each dim, 2-D and 3-D inputs, a batch of 1."""
+    return [(6, 12, True, (4, 6)), (6, 12, False, (2, 5, 6)), (10, 7, False, (3, 10)), (10, 7, True, (1, 3, 10))]
+
+
+def _own_norms(block: nn.Module, f: nn.Module) -> list[nn.LayerNorm]:
+    inside_f = {id(m) for m in f.modules()}
+    return [m for m in block.modules() if isinstance(m, nn.LayerNorm) and id(m) not in inside_f]
+
+
+def _expect_norm_layout(block: nn.Module, f: nn.Module, dim: int, what: str) -> list[nn.LayerNorm]:
+    """f registered in the block, and a LayerNorm(dim) of the block's own, with a learnable scale and shift."""
+    expect_module(block, what=what)
+    if not any(m is f for m in block.modules()):
+        raise ExerciseFailed(
+            f"{what} does not hold f as a sub-module (block.modules() lacks it), so f's parameters are not the block's: "
+            "assign it as an attribute, self.f = f"
+        )
+    norms = _own_norms(block, f)
+    if not norms:
+        raise ExerciseFailed(f"{what} holds no nn.LayerNorm of its own: create self.norm = nn.LayerNorm(dim) in __init__")
+    for norm in norms:
+        if tuple(norm.normalized_shape) != (dim,):
+            raise ExerciseFailed(f"{what}'s LayerNorm normalises over {tuple(norm.normalized_shape)}, expected ({dim},): the last dimension, dim")
+        if norm.weight is None:
+            raise ExerciseFailed(f"{what}'s LayerNorm has no learnable scale and shift: keep elementwise_affine=True")
+    known = {id(p) for p in f.parameters()} | {id(p) for n in norms for p in n.parameters()}
+    extra = [name for name, p in block.named_parameters() if id(p) not in known]
+    if extra:
+        raise ExerciseFailed(f"{what} has parameters besides f's and its LayerNorm's: {', '.join(extra)}")
+    return norms
+
+
+@exercise("make_norm_block")
+def check_make_norm_block(fn) -> None:
+    for dim, hidden, norm_first, shape in _norm_cases():
+        with _seeded(30 + dim + norm_first):
+            f = _Sublayer(dim, hidden)
+            x = 3 * torch.randn(shape) + 1.5  # far from normalised, so that a norm shows where it acts
+        what = f"make_norm_block(f, {dim}, norm_first={norm_first})"
+        block = call(fn, f, dim, norm_first, shown=f"f, {dim}, {norm_first}")
+        norms = _expect_norm_layout(block, f, dim, what)
+        with torch.no_grad():  # a trained-looking scale and shift, so that a norm without them shows
+            for norm in norms:
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+        x0 = x.clone()
+        f.inputs.clear()
+        got = call(block, x, name=f"{what}'s block", shown=f"x of shape {tuple(x.shape)}", kind="module")
+        expect_unchanged(x0, x, what=f"{what}'s forward")
+        if len(f.inputs) != 1:
+            raise ExerciseFailed(f"{what}'s forward called f {len(f.inputs)} times: call it once per forward")
+        label = f"{what}'s output for x of shape {tuple(x.shape)}"
+        right, wrong = ("pre", "post") if norm_first else ("post", "pre")
+        with torch.no_grad():
+            candidates = [_orders(x0, f.forward, norm) for norm in norms]  # one set per LayerNorm the block holds
+        if not (isinstance(got, torch.Tensor) and got.shape == x.shape):
+            expect_tensor(got, candidates[0][right], what=label)  # not a tensor, or the wrong shape: its own line
+        if not any(torch.allclose(got, c[right], atol=1e-5) for c in candidates):
+            if any(torch.allclose(got, c[wrong], atol=1e-5) for c in candidates):
+                meaning = "the norm first, inside the branch" if norm_first else "the norm last, on the sum"
+                raise ExerciseFailed(f"{what} built {_ORDER_NAMES[wrong]}; norm_first={norm_first} asks for {meaning}: {_ORDER_NAMES[right]}")
+            for fault, message in _ORDER_FAULTS.items():
+                if any(torch.allclose(got, c[fault], atol=1e-5) for c in candidates):
+                    raise ExerciseFailed(f"{what} {message}")
+            with torch.no_grad():
+                plain = _orders(x0, f.forward, lambda t: F.layer_norm(t, (dim,)))
+            if torch.allclose(got, plain[right], atol=1e-5):
+                raise ExerciseFailed(
+                    f"{what}'s norm ignores the LayerNorm's own weight and bias (a LayerNorm made afresh in forward, "
+                    "or F.layer_norm without them): create self.norm once in __init__ and call it"
+                )
+            expect_tensor(got, candidates[0][right], what=label, atol=1e-5)
+        if not got.requires_grad:
+            raise ExerciseFailed(f"{label} carries no graph: a block must stay trainable, so do not run it under torch.no_grad()")
 
 
 # ---- evaluate -----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ PAIRS = [
     (L.check_freeze_all_but_last, L.freeze_all_but_last),
     (L.check_init_relu_net, L.init_relu_net),
     (L.check_make_causal_attention, L.make_causal_attention),
+    (L.check_make_norm_block, L.make_norm_block),
     (L.check_evaluate, L.evaluate),
     (L.check_load_pretrained, L.load_pretrained),
 ]
@@ -580,6 +581,169 @@ def test_make_causal_attention_names_a_wrapped_multihead_attention():
         return module
 
     assert_names_fault(L.check_make_causal_attention, wrapped, "holds an nn.MultiheadAttention")
+
+
+# ---- make_norm_block ------------------------------------------------------------------------------
+
+def test_the_hidden_norm_cases_tell_every_order_apart():
+    for dim, hidden, norm_first, shape in L._norm_cases():
+        torch.manual_seed(dim)
+        f, norm, x = L._Sublayer(dim, hidden), nn.LayerNorm(dim), 3 * torch.randn(shape) + 1.5
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
+            outputs = L._orders(x, f, norm)
+            outputs["plain"] = L._orders(x, f, lambda t: F.layer_norm(t, (dim,)))["pre" if norm_first else "post"]
+        for a, b in itertools.combinations(outputs, 2):
+            assert not torch.allclose(outputs[a], outputs[b], atol=1e-3), (a, b)
+
+
+def norm_block(combine, *, register=True, norm="module", dim_of=None, affine=True):
+    """A learner's make_norm_block whose forward is combine(x, f, norm, norm_first)."""
+
+    def make(f, dim, norm_first):
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                if register:
+                    self.f = f
+                else:
+                    self.parts = [f]
+                if norm == "module":
+                    self.norm = nn.LayerNorm(dim_of or dim, elementwise_affine=affine)
+
+            def forward(self, x):
+                sub = self.f if register else self.parts[0]
+                if norm == "fresh":
+                    layer = nn.LayerNorm(dim)
+                elif norm == "functional":
+                    layer = lambda t: F.layer_norm(t, (dim,))  # noqa: E731
+                else:
+                    layer = self.norm
+                return combine(x, sub, layer, norm_first)
+
+        return Block()
+
+    return make
+
+
+def _pre(x, f, norm):
+    return x + f(norm(x))
+
+
+def _post(x, f, norm):
+    return norm(x + f(x))
+
+
+def norm_two_classes(f, dim, norm_first):  # correct: one class per order, chosen by the flag
+    class PreNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.sublayer = nn.LayerNorm(dim), f
+
+        def forward(self, x):
+            return x + self.sublayer(self.ln(x))
+
+    class PostNorm(PreNorm):
+        def forward(self, x):
+            return self.ln(x + self.sublayer(x))
+
+    return PreNorm() if norm_first else PostNorm()
+
+
+def norm_functional_with_weights(f, dim, norm_first):  # correct: F.layer_norm with the module's own scale and shift
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f, self.norm = f, nn.LayerNorm(dim)
+            self.norm_first = norm_first
+
+        def forward(self, x):
+            def normed(t):
+                return F.layer_norm(t, self.norm.normalized_shape, self.norm.weight, self.norm.bias, self.norm.eps)
+
+            if self.norm_first:
+                return x + self.f(normed(x))
+            return normed(x + self.f(x))
+
+    return Block()
+
+
+def norm_in_steps(f, dim, norm_first):  # correct: a Sequential-style layout, two steps
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({"f": f, "norm": nn.LayerNorm(dim)})
+
+        def forward(self, x):
+            h = self.layers["norm"](x) if norm_first else x
+            y = x + self.layers["f"](h)
+            return y if norm_first else self.layers["norm"](y)
+
+    return Block()
+
+
+def norm_both_computed(f, dim, norm_first):
+    block = norm_block(lambda x, f, n, first: [_post(x, f, n), _pre(x, f, n)][first])(f, dim, norm_first)
+    return block
+
+
+def norm_in_place(f, dim, norm_first):
+    def combine(x, f, n, first):
+        if first:
+            x += f(n(x))
+            return x
+        return n(x + f(x))
+
+    return norm_block(combine)(f, dim, norm_first)
+
+
+@pytest.mark.parametrize("answer", [norm_two_classes, norm_functional_with_weights, norm_in_steps])
+def test_make_norm_block_accepts(answer):
+    assert_passes(L.check_make_norm_block, answer)
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (norm_block(lambda x, f, n, first: _post(x, f, n) if first else _pre(x, f, n)),
+     r"norm_first=True\) built the post-norm order, norm\(x \+ f\(x\)\); norm_first=True asks for the norm first, inside the branch: "
+     r"the pre-norm order, x \+ f\(norm\(x\)\)"),
+    (norm_block(lambda x, f, n, first: _pre(x, f, n)),
+     r"make_norm_block\(f, 6, norm_first=False\) built the pre-norm order, x \+ f\(norm\(x\)\); norm_first=False asks for the norm last"),
+    (norm_block(lambda x, f, n, first: _post(x, f, n)), r"norm_first=True\) built the post-norm order"),
+    (norm_block(lambda x, f, n, first: n(x) + f(n(x)) if first else _post(x, f, n)), "adds norm\\(x\\) to the branch.*the skip carries x itself"),
+    (norm_block(lambda x, f, n, first: f(n(x)) if first else n(f(x))), r"returns f\(norm\(x\)\) with no skip connection"),
+    (norm_block(lambda x, f, n, first: _pre(x, f, n) if first else n(f(x))), r"returns norm\(f\(x\)\) with no skip connection"),
+    (norm_block(lambda x, f, n, first: x + n(f(x))), r"returns x \+ norm\(f\(x\)\), which normalises f's output"),
+    (norm_block(lambda x, f, n, first: n(x + f(n(x))) if first else _post(x, f, n)), "applies the norm both to f's input and to the sum"),
+    (norm_block(lambda x, f, n, first: _pre(x, f, n) if first else _post(x, f, n), norm="fresh"), "holds no nn.LayerNorm of its own"),
+    (norm_block(lambda x, f, n, first: _pre(x, f, n) if first else _post(x, f, n), norm="functional"), "holds no nn.LayerNorm of its own"),
+    (norm_block(lambda x, f, n, first: _pre(x, f, n) if first else _post(x, f, n), register=False), "does not hold f as a sub-module"),
+    (norm_block(lambda x, f, n, first: _pre(x, f, n) if first else _post(x, f, n), affine=False), "has no learnable scale and shift"),
+    (norm_block(lambda x, f, n, first: _pre(x, f, n) if first else _post(x, f, n), dim_of=1), r"normalises over \(1,\), expected \(6,\)"),
+    (norm_both_computed, "called f 2 times: call it once per forward"),
+    (norm_in_place, "modified its input in place"),
+    (lambda f, dim, norm_first: f, "holds no nn.LayerNorm of its own"),
+])
+def test_make_norm_block_names_the_fault(wrong, message):
+    assert_names_fault(L.check_make_norm_block, wrong, message)
+
+
+def test_make_norm_block_names_a_norm_without_its_weights():
+    def make(f, dim, norm_first):
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.f, self.norm = f, nn.LayerNorm(dim)
+
+            def forward(self, x):
+                def normed(t):
+                    return F.layer_norm(t, (dim,))
+
+                return x + self.f(normed(x)) if norm_first else normed(x + self.f(x))
+
+        return Block()
+
+    assert_names_fault(L.check_make_norm_block, make, "ignores the LayerNorm's own weight and bias")
 
 
 # ---- evaluate -------------------------------------------------------------------------------------
