@@ -80,9 +80,24 @@ def test_a_cell_that_raised_after_its_def_names_the_line_it_raised_at(namespace)
         "your cell for `double` raised NameError at line 4 (name 'nothing' is not defined): fix it and run that cell again")
 
 
-def test_an_undefined_name_is_named_through_its_failed_cell(namespace):
+def test_a_name_its_first_failed_run_left_undefined_gets_a_stand_in_that_names_the_cell(namespace):
     source = "class Net:\n  x = 1\n    y = 2\n"
     ran(source, syntax_error(source), before=True)
+    message = ("your cell for `Net` raised IndentationError at line 3 (unexpected indent): "
+               "fix it and run that cell again")
+    stand_in = namespace["Net"]
+    with pytest.raises(cellruns.CellRaised, match="your cell for `Net` raised IndentationError"):
+        stand_in()
+    assert cellruns.failure_for(stand_in).message() == message
+    ran("class Net:\n  x = 1\n")  # fixed and run: the record is gone (the cell itself rebinds the name)
+    assert cellruns.failure_for(stand_in) is None
+
+
+def test_an_undefined_name_is_named_through_its_failed_cell(namespace, monkeypatch):
+    """Where no stand-in could be bound (the learner deleted it since), the checker's NameError path names the cell."""
+    source = "class Net:\n  x = 1\n    y = 2\n"
+    ran(source, syntax_error(source), before=True)
+    monkeypatch.setitem(cellruns._failures, "Net", cellruns.CellFailure("Net", "IndentationError", 3, "unexpected indent"))
     failure = cellruns.failure_of_unbound("Net", {})
     assert failure.message() == ("your cell for `Net` raised IndentationError at line 3 (unexpected indent): "
                                  "fix it and run that cell again")
@@ -120,8 +135,7 @@ def test_the_notebook_and_the_checker_give_one_verdict_on_the_same_broken_cell(t
     nb.cells = [setup, broken, check]  # the lesson's other cells change nothing here, and cost seconds
     path = tmp_path / "00_orientation.ipynb"
     nbformat.write(nb, path)
-    session = nbformat.read(path, as_version=4)
-    session.cells.insert(1, code)  # in JupyterLab, the learner ran the stub (Run All) before writing the answer
+    session = nbformat.read(path, as_version=4)  # in JupyterLab the learner wrote the answer before ever running the cell
     checker = subprocess.Popen([sys.executable, "-m", "course_utils", "check", str(path)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -130,7 +144,7 @@ def test_the_notebook_and_the_checker_give_one_verdict_on_the_same_broken_cell(t
         monkeypatch.delenv("COURSE_CHECKER", raising=False)  # a learner's kernel, as JupyterLab starts it
         monkeypatch.setenv("COURSE_WORK_DIR", str(tmp_path / "work"))
         NotebookClient(session, timeout=120, allow_errors=True, resources={"metadata": {"path": str(tmp_path)}}).execute()
-        shown = [o["data"]["text/plain"] for o in session.cells[3].outputs if o.get("output_type") == "display_data"]
+        shown = [o["data"]["text/plain"] for o in session.cells[2].outputs if o.get("output_type") == "display_data"]
         out, _ = checker.communicate(timeout=300)
     finally:
         checker.kill()

@@ -6,9 +6,11 @@ run next would judge that and say "not attempted". `%load_ext course_utils` regi
 `after_cell` as IPython's `post_run_cell` callback: IPython hands it each cell's source and the
 error its run raised (the ExecutionResult), nothing is guessed. For every function or class the
 cell defines at its top level, a failed run is kept with what the name is bound to right after
-it; a run that succeeds forgets it. A check given that very object reports the failed cell
-("your cell for `draw` raised SyntaxError at line 2 ...") instead of judging it, in JupyterLab
-and under the checker alike. Only a failure can come of this: a record never makes a pass.
+it; a run that succeeds forgets it. A name the failed run left undefined (the cell never ran
+without error) is bound to a stand-in that raises the cell's message, so that its check cell does
+not stop at a bare NameError. A check given that very object reports the failed cell ("your cell
+for `draw` raised SyntaxError at line 2 ...") instead of judging it, in JupyterLab and under the
+checker alike. Only a failure can come of this: a record never makes a pass.
 
 The checker's plugin runs outside the kernel and words an exercise cell's own error the same
 way, from the error output the kernel sent back (`message_from_output`).
@@ -80,7 +82,27 @@ def _after_cell(result: Any) -> None:
     namespace = _user_namespace()
     line, detail = where(error)
     for name in names:
-        _failures[name] = CellFailure(name, type(error).__name__, line, detail, namespace.get(name, UNBOUND))
+        failure = CellFailure(name, type(error).__name__, line, detail)
+        value = namespace.get(name, UNBOUND)
+        if value is UNBOUND:  # its first run failed: the check cell would meet a bare NameError
+            value = namespace[name] = stand_in(failure)
+        _failures[name] = CellFailure(name, failure.error, line, detail, value)
+
+
+class CellRaised(Exception):
+    """What the stand-in for a name that a failed cell could not define raises when it is called."""
+
+
+def stand_in(failure: CellFailure) -> Any:
+    """A function bound to `failure.name` until its cell runs without error: it raises that cell's message when
+    called, and a check handed it reports the cell's failure, in JupyterLab as under the checker."""
+    message = failure.message()
+
+    def cell_raised(*args: Any, **kwargs: Any) -> Any:
+        raise CellRaised(message)
+
+    cell_raised.__name__ = cell_raised.__qualname__ = failure.name
+    return cell_raised
 
 
 def _user_namespace() -> dict:
