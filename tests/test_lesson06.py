@@ -965,3 +965,30 @@ def test_the_learner_writes_the_central_apis():
     assert "unscale_" in solutions["accumulate_step"] and "scaler.scale" in solutions["accumulate_step"]
     assert "enabled=False" in solutions["run_in_float32"]
     assert "unscale_" in solutions["amp_step"] and "clip_grad_norm_" in solutions["amp_step"]
+
+
+def test_a_float16_loss_skips_the_first_step_and_caps_the_scale():
+    """Pitfall 8: a float16 loss outside autocast skips step 0 and every attempt to grow back to 2**16, nothing else."""
+    def float16_loss(logits, targets):
+        with torch.autocast("cpu", enabled=False):
+            return F.cross_entropy(logits, targets)
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=3)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    used = []
+    for _ in range(12):
+        used.append((scaler.get_scale(), L.amp_step(model, x, y, float16_loss, optimizer, scaler, torch.float16, 1.0)))
+    assert [i for i, (_, taken) in enumerate(used) if not taken] == [0, 4, 8]
+    assert max(scale for scale, taken in used if taken) == 2.0 ** 15
+
+
+def test_float16_zones_round_to_nearest():
+    """Below half the smallest subnormal a value becomes 0; at or above it, it survives (the text of section 1)."""
+    smallest = 2.0 ** -24
+    values = torch.tensor([smallest * 0.49, smallest * 0.51, 1e-5, 1.0, 7e4], dtype=torch.float64)
+    assert values.half().tolist()[:2] == [0.0, smallest]
+    zones = L.float16_zones(values)
+    assert zones == {"become 0": 0.2, "subnormal": 0.4, "normal": 0.2, "inf": 0.2}
