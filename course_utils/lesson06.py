@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -84,12 +85,31 @@ def save_amp_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.opt
 
 
 def resume_amp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> int:
-    """Load a save_amp_checkpoint() file into the given model, optimizer and scaler; return its step number."""
+    """Load a checkpoint of a run in any precision into this run's model, optimizer and scaler; return its step number."""
     checkpoint = torch.load(path, weights_only=True)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
-    scaler.load_state_dict(checkpoint["scaler"])  # a no-op for a disabled scaler
+    if checkpoint["scaler"]:  # {} from a run whose scaler was disabled (bfloat16, float32): keep this run's fresh scaler
+        scaler.load_state_dict(checkpoint["scaler"])  # and into a disabled scaler, load_state_dict does nothing
     return checkpoint["step"]
+
+
+def accumulate_step(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable,
+                    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, dtype: torch.dtype, max_norm: float) -> bool:
+    """One step over several micro-batches, as one step on all their samples: clipped, skipped on inf/NaN; True if taken."""
+    optimizer.zero_grad(set_to_none=True)
+    total = sum(len(targets) for _, targets in micro_batches)
+    for inputs, targets in micro_batches:
+        with torch.autocast(device_type=inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = loss_fn(model(inputs), targets) * (len(targets) / total)  # its share of the step's samples
+        scaler.scale(loss).backward()  # every micro-batch with the same scale: update() waits for the step
+    scaler.unscale_(optimizer)         # once, after the last micro-batch
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    finite = bool(torch.isfinite(norm))
+    if finite:
+        scaler.step(optimizer)
+    scaler.update()
+    return finite
 
 
 # Helpers of the memory demo (section 4). Hooks are lesson 08's subject; here they only measure.
@@ -116,6 +136,46 @@ def saved_tensors(model: nn.Sequential, x: torch.Tensor) -> list[dict]:
         for handle in handles:
             handle.remove()
     return rows
+
+
+# The figure of section 5: gradients against float16's range.
+
+def float16_zones(values: torch.Tensor) -> dict[str, float]:
+    """The share of values that float16 turns into 0, keeps as subnormals (digits lost), keeps as normal numbers, or makes inf."""
+    magnitude = values.detach().abs().double().flatten()
+    smallest_subnormal = 2.0 ** -24
+    tiny, largest = torch.finfo(torch.float16).tiny, torch.finfo(torch.float16).max
+    zones = {
+        "become 0": magnitude < smallest_subnormal / 2,  # round to nearest: below half the smallest subnormal
+        "subnormal": (magnitude >= smallest_subnormal / 2) & (magnitude < tiny),
+        "normal": (magnitude >= tiny) & (magnitude <= largest),
+        "inf": magnitude > largest,
+    }
+    return {name: zone.double().mean().item() for name, zone in zones.items()}
+
+
+def plot_float16_range(gradients: torch.Tensor, scale: float):
+    """Histogram of log2|gradient|, unscaled and times `scale`, over float16's zones; returns the figure and the zones' shares."""
+    import matplotlib.pyplot as plt  # here, not at the top: the checker imports this module and draws nothing
+
+    values = gradients.detach().double().flatten()
+    values = values[values != 0]
+    shifted = math.log2(scale)
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    edges = np.arange(-40, 20.5, 0.5)
+    bands = [(-40, -25, "tab:red", "becomes 0"), (-25, -14, "tab:orange", "subnormal: digits lost"),
+             (math.log2(torch.finfo(torch.float16).max), 20, "tab:red", "inf")]
+    for low, high, color, label in bands:
+        ax.axvspan(low, high, color=color, alpha=0.12, label=f"float16: {label}")
+    ax.hist(values.abs().log2().numpy(), bins=edges, color="tab:blue", alpha=0.7, label="gradients")
+    ax.hist(values.abs().log2().numpy() + shifted, bins=edges, color="tab:green", alpha=0.7, label=f"gradients x 2**{shifted:g}")
+    ax.set_xlabel("log2 |gradient|")
+    ax.set_ylabel("count")
+    ax.set_title("the loss scale lifts float16's gradients out of the underflow zone", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    shares = {"gradients": float16_zones(values), f"gradients x 2**{shifted:g}": float16_zones(values * scale)}
+    return fig, shares
 
 
 # Shared helpers of the checks.
@@ -177,6 +237,8 @@ _RANGE_CASES = [
     (torch.tensor([-1e-30, 2e-8, 7.0]), torch.float16),
     (torch.tensor([70000.0, -1e30]), torch.bfloat16),
     (torch.tensor([3e38], dtype=torch.float64), torch.bfloat16),
+    (torch.tensor([-3.4e38], dtype=torch.float64), torch.bfloat16),  # above bfloat16's 3.3895e38 (and its rounding), below float32's limit
+    (torch.tensor([3.4e38, 0.0], dtype=torch.float64), torch.float32),
     (torch.tensor([1e39, 1.0], dtype=torch.float64), torch.float32),
     (torch.tensor([-1e39], dtype=torch.float64), torch.float32),
 ]
@@ -192,9 +254,21 @@ _RANGE_MISTAKES = [  # (wrong rule, what it gets wrong)
      "torch.finfo(dtype).max itself fits: use <=, not <"),
     (lambda x, d: bool(x.abs().max() <= 65504),
      "65504 is float16's limit only: read the limit of the dtype you were given from torch.finfo(dtype).max"),
+    (lambda x, d: bool(x.abs().max() <= torch.finfo(torch.bfloat16).max),
+     "you compared every dtype with bfloat16's limit, torch.finfo(torch.bfloat16).max: read the limit of the dtype you were given"),
+    (lambda x, d: bool(x.abs().max() <= torch.finfo(torch.float32).max),
+     "you compared every dtype with float32's limit, torch.finfo(torch.float32).max: read the limit of the dtype you were given"),
     (lambda x, d: bool((x.abs().max() <= torch.finfo(d).max) & (x.abs().min() >= torch.finfo(d).tiny)),
      "values below finfo(dtype).tiny do not overflow (they round to a subnormal or to 0): only the largest magnitude decides here"),
 ]
+
+
+def _range_reason(x: torch.Tensor, dtype: torch.dtype, fits: bool) -> str:
+    """Why x does or does not fit: its largest magnitude against the dtype's limit, named."""
+    peak, limit = x.abs().max().item(), torch.finfo(dtype).max
+    if fits:
+        return f"its largest magnitude, {peak:.6g}, is at most torch.finfo({dtype}).max = {limit:.6g}"
+    return f"|{peak:.6g}| is above torch.finfo({dtype}).max = {limit:.6g}, so the cast gives inf"
 
 
 @exercise("fits_in_range")
@@ -203,7 +277,11 @@ def check_fits_in_range(fn) -> None:
     answers = []
     for x, dtype in _RANGE_CASES:
         what = f"fits_in_range(torch.tensor({x.tolist()}), {dtype})"
-        got = call(fn, x.clone(), dtype, shown=f"torch.tensor({x.tolist()}), {dtype}")
+        given, before = x.clone(), x.clone()
+        got = call(fn, given, dtype, shown=f"torch.tensor({x.tolist()}), {dtype}")
+        if given.dtype != before.dtype or not torch.equal(given, before):
+            raise ExerciseFailed(f"{what} changed the caller's tensor x (now {_short(given.dtype)} {given.tolist()}): "
+                                 "only read it; compare a copy, such as x.abs(), not x itself cast in place")
         if isinstance(got, torch.Tensor):
             raise ExerciseFailed(f"{what} is a tensor, expected a Python bool: wrap the comparison in bool(...) or call .item()")
         if isinstance(got, (np.generic, np.ndarray)):
@@ -218,7 +296,8 @@ def check_fits_in_range(fn) -> None:
         if answers == [rule(x, d) for x, d in _RANGE_CASES]:
             raise ExerciseFailed(message)
     (x, dtype), got, want = next((case, a, e) for case, a, e in zip(_RANGE_CASES, answers, expected) if a != e)
-    expect_equal(got, want, what=f"fits_in_range(torch.tensor({x.tolist()}), {dtype})")
+    raise ExerciseFailed(f"fits_in_range(torch.tensor({x.tolist()}), {dtype}) returned {got}, expected {want}: "
+                         f"{_range_reason(x, dtype, want)}")
 
 
 # run_in_float32: the check hands the learner's function a probe of its own as fn. The probe records the autocast
@@ -289,6 +368,19 @@ def _expected_kind(value: Any, cast: bool = True) -> Any:
     return f"a {type_name(value)}"  # a string: compares safely with anything
 
 
+def _expect_arguments_unchanged(what: str, originals: dict[str, tuple[torch.Tensor, torch.Tensor, bool]]) -> None:
+    """The caller's tensors keep their dtype, values and requires_grad: the cast must make new tensors."""
+    for name, (tensor, before, requires_grad) in originals.items():
+        if tensor.dtype != before.dtype:
+            raise ExerciseFailed(f"{what}: the caller's tensor {name} is now {_short(tensor.dtype)}, it was {_short(before.dtype)}: "
+                                 "cast into new tensors (a.float() returns one) and leave the caller's tensors as they were")
+        if tensor.shape != before.shape or not torch.equal(tensor.detach(), before):
+            raise ExerciseFailed(f"{what}: the values of the caller's tensor {name} changed: leave the caller's tensors as they were")
+        if tensor.requires_grad != requires_grad:
+            raise ExerciseFailed(f"{what}: the caller's tensor {name} now has requires_grad={tensor.requires_grad}: "
+                                 "leave the caller's tensors as they were")
+
+
 def _kind_name(kind: Any) -> str:
     return _short(kind) if isinstance(kind, torch.dtype) else kind if isinstance(kind, str) else repr(kind)
 
@@ -302,11 +394,14 @@ def check_run_in_float32(fn) -> None:
         shown = f"fn, a ({_short(a_dtype)}), b ({_short(b_dtype)}), index (int64), {weight}"
         what = f"run_in_float32({shown}) {region}"
         probe = _Probe()
+        originals = {"a": (a, a.detach().clone(), a.requires_grad), "b": (b, b.clone(), b.requires_grad),
+                     "index": (index, index.clone(), False)}
         with torch.autocast("cpu", dtype=caller or torch.bfloat16, enabled=caller is not None), \
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = call(fn, probe, a, b, index, weight, name="run_in_float32", shown=shown)
             still_on, dtype_after = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+        _expect_arguments_unchanged(what, originals)
         if any("target dtype is not supported" in str(w.message) for w in caught):
             raise ExerciseFailed(f"{what}: torch.autocast(..., dtype=torch.float32) warned and switched itself off: "
                                  "switch autocast off with enabled=False instead")
@@ -437,7 +532,10 @@ _SCHEDULE_MISTAKES = [
 def check_loss_scale_schedule(fn) -> None:
     for found_inf, init_scale, growth_interval in _SCHEDULE_CASES:
         what = f"loss_scale_schedule({found_inf}, init_scale={init_scale:g}, growth_interval={growth_interval})"
-        got = call(fn, list(found_inf), init_scale, growth_interval)
+        given = list(found_inf)
+        got = call(fn, given, init_scale, growth_interval)
+        if given != found_inf:
+            raise ExerciseFailed(f"{what} changed the caller's list found_inf (now {given}): only read it")
         if got is None:
             raise ExerciseFailed(f"{what} is None: did you forget to `return` the list?")
         if isinstance(got, torch.Tensor):
@@ -453,7 +551,22 @@ def check_loss_scale_schedule(fn) -> None:
             if list(got) == _schedule_variant(found_inf, init_scale, growth_interval, **options):
                 raise ExerciseFailed(f"{what}: {message}")
         step = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
-        raise ExerciseFailed(f"{what}: after step {step} (found_inf={found_inf[step]}) the scale should be {expected[step]:g}, got {got[step]!r}")
+        raise ExerciseFailed(f"{what}: after step {step} (found_inf={found_inf[step]}) the scale should be {expected[step]:g}, "
+                             f"got {got[step]!r}: {_schedule_rule(found_inf, init_scale, growth_interval, expected, step)}")
+
+
+def _schedule_rule(found_inf: list[bool], init_scale: float, growth_interval: int, expected: list[float], step: int) -> str:
+    """The rule of the schedule that decides the scale after `step`, with the numbers of this case."""
+    before = init_scale if step == 0 else expected[step - 1]
+    if found_inf[step]:
+        return f"a step with an inf/NaN halves the scale (backoff_factor 0.5), from {before:g} to {expected[step]:g}"
+    if expected[step] > before:
+        return (f"this step completes growth_interval={growth_interval} good steps in a row (counted since the last inf/NaN "
+                f"step or the last growth), so the scale doubles (growth_factor 2.0), from {before:g} to {expected[step]:g}")
+    run = next((i for i in range(step, -1, -1) if found_inf[i]), -1)  # the good steps counted since then, at most
+    return (f"a good step leaves the scale at {before:g} until growth_interval={growth_interval} good steps in a row "
+            f"are complete (the count starts again from 0 after an inf/NaN step and after each growth)"
+            + ("" if run < 0 else f"; the last inf/NaN step was step {run}"))
 
 
 # amp_step: the learner's step and the reference step train twin models side by side, in each precision, on batches
@@ -511,7 +624,7 @@ class _AmpRun:
     def from_state(cls, dtype: torch.dtype, state: dict) -> "_AmpRun":
         run = cls(dtype)
         run.model.load_state_dict(state["model"])
-        run.optimizer.load_state_dict(state["optimizer"])
+        run.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))  # load_state_dict keeps the tensors it is given
         run.scaler.load_state_dict(state["scaler"])
         for n, p in run.model.named_parameters():
             p.grad = None if state["grads"][n] is None else state["grads"][n].clone()
@@ -573,15 +686,20 @@ class _Watch:
     """What the learner's step does to the check's objects: optimizer steps, the forward's dtype, the loss's dtype."""
 
     def __init__(self, run: _AmpRun):
-        self.steps, self.forward_dtypes, self.losses = 0, [], []
+        self.steps, self.backwards, self.forward_dtypes, self.forward_rows, self.losses = 0, 0, [], [], []
         run.optimizer.register_step_post_hook(self._on_step)
         run.model[0].register_forward_hook(self._on_forward)
+        run.model[-1].weight.register_hook(self._on_backward)
 
     def _on_step(self, *args) -> None:
         self.steps += 1
 
+    def _on_backward(self, grad: torch.Tensor) -> None:
+        self.backwards += 1
+
     def _on_forward(self, module, args, output) -> None:
         self.forward_dtypes.append(output.dtype)
+        self.forward_rows.append(len(args[0]))
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """F.cross_entropy itself, noting the dtype it ran in: the loss_fn the learner's step is given."""
@@ -590,8 +708,9 @@ class _Watch:
         return loss
 
     def clear(self) -> None:
-        self.steps = 0
+        self.steps = self.backwards = 0
         self.forward_dtypes.clear()
+        self.forward_rows.clear()
         self.losses.clear()
 
 
@@ -599,6 +718,9 @@ _AMP_HINTS = {
     "_scale is None": "the scaler has not scaled anything yet: call scaler.scale(loss).backward(), not loss.backward()",
     "unscale_() has already been called": "call scaler.unscale_(optimizer) once per step, before clipping",
     "step() has already been called": "call scaler.step(optimizer) at most once per step",
+    "No inf checks were recorded": ("scaler.update() needs this step's inf check, which scaler.unscale_(optimizer) or "
+                                    "scaler.step(optimizer) records: on a step you skip, still run scaler.scale(loss).backward() "
+                                    "and scaler.unscale_(optimizer), skip only the optimizer step, then call update()"),
     "Attempting to unscale FP16 gradients": "the parameters are float16: autocast keeps the weights float32 and casts per "
                                             "operation; do not cast the model",
 }
@@ -623,19 +745,22 @@ def _check_amp_precision(fn: Callable, dtype: torch.dtype) -> None:
         want = amp_step(ref.model, x.clone(), y.clone(), F.cross_entropy, ref.optimizer, ref.scaler, dtype, _AMP_MAX_NORM)
         watch.clear()
         weights_before, scale_before = _params(mine.model), mine.scaler.get_scale()
+        given_x, given_y = x.clone(), y.clone()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got = call(fn, mine.model, x.clone(), y.clone(), watch.cross_entropy, mine.optimizer, mine.scaler, dtype,
+            got = call(fn, mine.model, given_x, given_y, watch.cross_entropy, mine.optimizer, mine.scaler, dtype,
                        _AMP_MAX_NORM, name="amp_step", shown=shown, hints=_AMP_HINTS)
         mine.overflow = False
         what = f"amp_step with dtype={dtype}, step {step}"
+        if given_x.dtype != x.dtype or not torch.equal(given_x, x) or not torch.equal(given_y, y):
+            raise ExerciseFailed(f"{what}: the caller's inputs or targets changed: leave them as they were")
         _judge_amp_step(what, dtype, step, mine, ref, got, want, watch, caught, weights_before,
                         scale_before, before, x, y, nan_step, overflow_step)
 
 
-def _judge_amp_step(what, dtype, step, mine, ref, got, want, watch, caught, weights_before,
-                    scale_before, before, x, y, nan_step, overflow_step) -> None:
-    messages = [str(w.message) for w in caught]
+def _judge_precision(what: str, dtype: torch.dtype, mine: _AmpRun, watch: "_Watch", messages: list[str],
+                     scale_before: float) -> None:
+    """What one step must get right in every precision: float32 weights, the forward and the loss in the right dtype."""
     cast = sorted({_short(p.dtype) for p in mine.model.parameters() if p.dtype != torch.float32})
     if cast:
         raise ExerciseFailed(f"{what}: the model's parameters are now {cast[0]}: autocast keeps the weights float32 "
@@ -665,27 +790,43 @@ def _judge_amp_step(what, dtype, step, mine, ref, got, want, watch, caught, weig
         raise ExerciseFailed(f"{what}: the loss came out {_short(loss_dtype)}: it was computed outside autocast on "
                              f"{_short(logits_dtype)} logits{overflow}; compute it inside the autocast block, where "
                              "autocast runs the loss in float32, or on logits.float()")
+
+
+def _judge_skip(what: str, dtype: torch.dtype, cause: str, mine: _AmpRun, ref: _AmpRun, got: Any, watch: "_Watch",
+                weights_before: dict[str, torch.Tensor], scale_before: float) -> None:
+    """A step the reference skipped: no optimizer step, False returned, and with float16 the scale backed off."""
+    after = _params(mine.model)
+    changed = not all(torch.equal(after[k], weights_before[k]) for k in weights_before)
+    advice = ("step with scaler.step(optimizer), which skips such a step, and never call optimizer.step() yourself"
+              if dtype == torch.float16 else
+              "a disabled scaler skips nothing, so check that the gradients are finite (clip_grad_norm_ returns their "
+              "total norm) and do not step when they are not")
+    if watch.steps or changed:
+        raise ExerciseFailed(f"{what}: {cause}, and the optimizer {'stepped' if watch.steps else 'changed the weights'} "
+                             f"anyway: {advice}")
+    if got:
+        raise ExerciseFailed(f"{what}: {cause}, and the step was rightly skipped, but you returned True: return False for a skipped step")
+    if mine.scaler.get_scale() != ref.scaler.get_scale():
+        if not watch.backwards:
+            raise ExerciseFailed(
+                f"{what}: {cause}, and you skipped the step before backward, so the scale stayed {mine.scaler.get_scale():g} "
+                f"instead of backing off to {ref.scaler.get_scale():g}. update() backs it off only from this step's inf check, "
+                "which scaler.unscale_(optimizer) records: run scaler.scale(loss).backward() and unscale_ even when the loss "
+                "is not finite, skip only the optimizer step, then call scaler.update()")
+        raise ExerciseFailed(f"{what}: {cause}; after this skipped step the scale should back off from {scale_before:g} to "
+                             f"{ref.scaler.get_scale():g}, it is {mine.scaler.get_scale():g}: call scaler.update() on skipped steps too")
+
+
+def _judge_amp_step(what, dtype, step, mine, ref, got, want, watch, caught, weights_before,
+                    scale_before, before, x, y, nan_step, overflow_step) -> None:
+    _judge_precision(what, dtype, mine, watch, [str(w.message) for w in caught], scale_before)
     if not isinstance(got, bool):
         raise ExerciseFailed(f"{what} returned {type_name(got) if got is not None else 'None'}, expected a Python bool: "
                              "True when the weights were updated, False when the step was skipped")
-    after = _params(mine.model)
-    changed = not all(torch.equal(after[k], weights_before[k]) for k in after)
     if not want:  # the reference skipped this step
-        cause = _skip_cause(step, nan_step, overflow_step)
-        advice = ("step with scaler.step(optimizer), which skips such a step, and never call optimizer.step() yourself"
-                  if dtype == torch.float16 else
-                  "a disabled scaler skips nothing, so check that the gradients are finite (clip_grad_norm_ returns their "
-                  "total norm) and do not step when they are not")
-        if watch.steps or changed:
-            raise ExerciseFailed(f"{what}: {cause}, and the optimizer {'stepped' if watch.steps else 'changed the weights'} "
-                                 f"anyway: {advice}")
-        if got:
-            raise ExerciseFailed(f"{what}: {cause}, and the step was rightly skipped, but you returned True: return False for a skipped step")
-        if mine.scaler.get_scale() != ref.scaler.get_scale():
-            raise ExerciseFailed(f"{what}: {cause}; after this skipped step the scale should back off from {scale_before:g} to "
-                                 f"{ref.scaler.get_scale():g}, it is {mine.scaler.get_scale():g}: call scaler.update() on skipped steps too")
+        _judge_skip(what, dtype, _skip_cause(step, nan_step, overflow_step), mine, ref, got, watch, weights_before, scale_before)
         return
-    expected = _params(ref.model)
+    after, expected = _params(mine.model), _params(ref.model)
     name = _first_difference(after, expected, _AMP_ATOL)
     if name is not None or watch.steps != 1:
         for variant, message in _AMP_MISTAKES:  # a typical mistake, when it gives exactly the learner's weights
@@ -695,6 +836,12 @@ def _judge_amp_step(what, dtype, step, mine, ref, got, want, watch, caught, weig
             _amp_variant(simulated, x.clone(), y.clone(), variant)
             if _first_difference(after, _params(simulated.model), _AMP_ATOL) is None:
                 raise ExerciseFailed(f"{what}: {message}")
+    _judge_good_step(what, got, watch, mine, ref, name, after, expected)
+
+
+def _judge_good_step(what: str, got: bool, watch: "_Watch", mine: _AmpRun, ref: _AmpRun, name: str | None,
+                     after: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """A step the reference took: one optimizer step, True returned, the reference's weights and scale."""
     if not watch.steps:
         raise ExerciseFailed(f"{what}: the loss and the gradients of this step are finite in the reference solution, but your "
                              "optimizer did not step: skip only the steps whose loss or gradients are inf or NaN")
@@ -710,9 +857,8 @@ def _judge_amp_step(what, dtype, step, mine, ref, got, want, watch, caught, weig
                              "after scaler.step(optimizer)")
 
 
-# save_amp_checkpoint and resume_amp: a float16 run in mid-training (its scale backed off, good steps counted, momentum
-# buffers filled), saved at a step number the learner never sees; the real test is that a run resumed from the file
-# goes on exactly as the uninterrupted run does.
+# resume_amp: checkpoints written by a run in one precision, resumed by a run in another. The caller's fresh scaler is
+# built with settings of its own (not torch's defaults), so that replacing it, resetting it or loading into it all show.
 
 _CKPT_KEYS = ("model", "optimizer", "scaler", "step")
 
@@ -734,113 +880,233 @@ def _continue(run: _AmpRun, steps: int, seed: int) -> None:
         amp_step(run.model, x, y, F.cross_entropy, run.optimizer, run.scaler, run.dtype, _AMP_MAX_NORM)
 
 
-def _load_learner_file(path: Path, what: str) -> Any:
-    if not path.exists():
-        raise ExerciseFailed(f"{what}: nothing was written to the path you were given: torch.save(..., path)")
-    try:
-        return torch.load(path, weights_only=True)
-    except Exception as err:  # noqa: BLE001 -- whatever torch.load makes of the learner's file is the file's fault
-        text = str(err)
-        if "GradScaler" in text:
-            raise ExerciseFailed(f"{what}: the file holds the GradScaler object itself, which torch.load(weights_only=True) refuses: "
-                                 "save scaler.state_dict(), a dict of plain numbers") from None
-        if "torch.nn.modules" in text:
-            raise ExerciseFailed(f"{what}: the file holds a model object, which torch.load(weights_only=True) refuses: "
-                                 "save model.state_dict()") from None
-        if "torch.optim" in text:
-            raise ExerciseFailed(f"{what}: the file holds an optimizer object, which torch.load(weights_only=True) refuses: "
-                                 "save optimizer.state_dict()") from None
-        line = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-        raise ExerciseFailed(f"{what}: torch.load(path, weights_only=True) cannot read the file ({line[:120]}): "
-                             "save a dict of state dicts and numbers with torch.save") from None
+# (precision of the run that saved, precision of the run that resumes, steps before the save)
+_RESUME_CASES = [(torch.float16, torch.float16, 7), (torch.bfloat16, torch.float16, 4), (torch.float16, torch.bfloat16, 5),
+                 (torch.float32, torch.float16, 3)]
+_RESUME_INIT_SCALE, _RESUME_GROWTH_INTERVAL = 2.0 ** 12, 5
+
+_RESUME_HINTS = {
+    "The source state dict is empty": ("this checkpoint comes from a run without loss scaling (bfloat16 or float32), whose "
+                                       "disabled scaler saved {}; an enabled scaler refuses it: load the scaler's state only "
+                                       "when the checkpoint holds one, and otherwise keep the fresh scaler you were given"),
+    "Unexpected key(s) in state_dict": "each object takes its own entry: model.load_state_dict(checkpoint['model']), and so on",
+    "Weights only load failed": "the file holds only tensors, dicts and numbers: torch.load(path, weights_only=True) reads it",
+}
 
 
-@exercise("save_amp_checkpoint")
-@_restores_autocast
-def check_save_amp_checkpoint(fn) -> None:
-    run, step = _trained_run(torch.float16, 7), 7
-    scaler_state = run.scaler.state_dict()
-    assert scaler_state["scale"] != 2.0 ** 16 and scaler_state["_growth_tracker"] != 0  # the hidden state is not a default one
-    model_state, optimizer_state = copy.deepcopy(run.model.state_dict()), copy.deepcopy(run.optimizer.state_dict())
-    shown = f"path, model, optimizer, scaler (scale {scaler_state['scale']:g}), step={step}"
-    what = f"save_amp_checkpoint({shown})"
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "amp.pt"
-        call(fn, path, run.model, run.optimizer, run.scaler, step, name="save_amp_checkpoint", shown=shown)
-        if run.scaler.state_dict() != scaler_state:
-            raise ExerciseFailed(f"{what} changed the scaler's state: saving must only read it")
-        if not _same_tree(run.model.state_dict(), model_state) or not _same_tree(run.optimizer.state_dict(), optimizer_state):
-            raise ExerciseFailed(f"{what} changed the model or the optimizer: saving must only read them")
-        checkpoint = _load_learner_file(path, what)
-        if not isinstance(checkpoint, dict):
-            raise ExerciseFailed(f"{what}: the file holds {type_name(checkpoint)}, expected a dict with the keys {list(_CKPT_KEYS)}")
-        missing = [k for k in _CKPT_KEYS if k not in checkpoint]
-        if missing:
-            hint = ": save scaler.state_dict() under 'scaler', or a resumed run starts its scale afresh" if "scaler" in missing else ""
-            raise ExerciseFailed(f"{what}: the checkpoint has no {missing[0]!r} entry (keys: {sorted(map(str, checkpoint))}){hint}")
-        saved = checkpoint["scaler"]
-        if isinstance(saved, (float, int, torch.Tensor)) and not isinstance(saved, bool):
-            value = saved.item() if isinstance(saved, torch.Tensor) and saved.numel() == 1 else saved
-            if value == scaler_state["scale"]:
-                raise ExerciseFailed(f"{what}: checkpoint['scaler'] holds only the scale: save scaler.state_dict(), which also "
-                                     "holds the count of good steps since the last growth and the growth settings")
-        if not isinstance(saved, dict):
-            raise ExerciseFailed(f"{what}: checkpoint['scaler'] is {type_name(saved)}, expected scaler.state_dict()")
-        if not _same_tree(saved, scaler_state):
-            raise ExerciseFailed(f"{what}: checkpoint['scaler'] is {saved}, expected scaler.state_dict(), {scaler_state}")
-        if not isinstance(checkpoint["model"], dict) or not _same_tree(dict(checkpoint["model"]), dict(model_state)):
-            raise ExerciseFailed(f"{what}: checkpoint['model'] is not the model's state_dict()")
-        if not isinstance(checkpoint["optimizer"], dict) or not _same_tree(checkpoint["optimizer"], optimizer_state):
-            raise ExerciseFailed(f"{what}: checkpoint['optimizer'] is not the optimizer's state_dict() "
-                                 "(its momentum buffers and settings)")
-        expect_equal(checkpoint["step"], step, what=f"{what}: checkpoint['step']", returned=False)
-        # The real test: a run resumed from the learner's file goes on as the uninterrupted one.
-        resumed = _AmpRun(torch.float16, seed=9)
-        resumed.scaler = torch.amp.GradScaler("cpu")
-        resume_amp(path, resumed.model, resumed.optimizer, resumed.scaler)
-    _continue(run, 4, seed=801)
-    _continue(resumed, 4, seed=801)
-    if not _same_tree(_params(resumed.model), _params(run.model)) or resumed.scaler.state_dict() != run.scaler.state_dict():
-        raise ExerciseFailed(f"{what}: a run resumed from your file does not go on as the uninterrupted run does")
+class _LoadWatch:
+    """Stands in for torch.load during a check, recording the weights_only argument of every call."""
+
+    def __init__(self):
+        self.weights_only: list[Any] = []
+        self.real = torch.load
+
+    def __call__(self, *args, **kwargs):
+        self.weights_only.append(kwargs.get("weights_only", "default"))
+        return self.real(*args, **kwargs)
 
 
-# (dtype of the run, steps before the checkpoint): a float16 run with its scaler, and a bfloat16 run whose scaler is
-# disabled (its state_dict() is {}, and loading {} into a disabled scaler does nothing).
-_RESUME_CASES = [(torch.float16, 5), (torch.bfloat16, 3)]
+def _resume_fault(what: str, resumed: _AmpRun, saved: dict, fresh_state: dict, resume_dtype: torch.dtype) -> None:
+    """The model, the optimizer and the scaler after resume_amp, against what each should hold."""
+    if not _same_tree(resumed.model.state_dict(), saved["model"]):
+        raise ExerciseFailed(f"{what}: the model's weights are not the saved ones: load checkpoint['model'] into the model you were given")
+    if not _same_tree(resumed.optimizer.state_dict(), saved["optimizer"]):
+        raise ExerciseFailed(f"{what}: the optimizer's state (its momentum buffers) is not the saved one: "
+                             "load checkpoint['optimizer'] into the optimizer you were given")
+    state = resumed.scaler.state_dict()
+    if resume_dtype != torch.float16:
+        if resumed.scaler.is_enabled():
+            raise ExerciseFailed(f"{what}: the scaler you were given is now enabled: this run needs no loss scaling; leave it disabled")
+        return
+    if saved["scaler"]:
+        if state == saved["scaler"]:
+            return
+        if state == fresh_state:
+            raise ExerciseFailed(f"{what}: the scaler you were given still has its fresh state (scale {fresh_state['scale']:g}), "
+                                 f"not the saved one (scale {saved['scaler']['scale']:g}): load checkpoint['scaler'] into it")
+        key = next(k for k in saved["scaler"] if state.get(k) != saved["scaler"][k])
+        raise ExerciseFailed(f"{what}: the scaler's {key!r} is {state.get(key)!r}, saved {saved['scaler'][key]!r}: "
+                             "load the whole of checkpoint['scaler'] with scaler.load_state_dict")
+    if state != fresh_state:
+        raise ExerciseFailed(f"{what}: this checkpoint holds no scaler state (its run had no loss scaling), so the fresh scaler "
+                             f"you were given should stay as it was, {fresh_state}; it is now {state}")
 
 
 @exercise("resume_amp")
 @_restores_autocast
 def check_resume_amp(fn) -> None:
-    for dtype, step in _RESUME_CASES:
-        original = _trained_run(dtype, step)
-        fresh_scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
-        shown = f"path, model, optimizer, scaler ({'fresh' if dtype == torch.float16 else 'disabled'})"
-        what = f"resume_amp({shown}) of a {_short(dtype)} run saved at step {step}"
+    for saved_dtype, resume_dtype, step in _RESUME_CASES:
+        original = _trained_run(saved_dtype, step)
+        shown = (f"path (a {_short(saved_dtype)} run's checkpoint, step {step}), model, optimizer, "
+                 f"scaler ({'fresh' if resume_dtype == torch.float16 else 'disabled'}, for a {_short(resume_dtype)} run)")
+        what = f"resume_amp({shown})"
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "amp.pt"
             save_amp_checkpoint(path, original.model, original.optimizer, original.scaler, step)
             saved = torch.load(path, weights_only=True)
-            resumed = _AmpRun(dtype, seed=9)
-            resumed.scaler = fresh_scaler
-            got = call(fn, path, resumed.model, resumed.optimizer, resumed.scaler, name="resume_amp", shown=shown)
+            resumed = _AmpRun(resume_dtype, seed=9)
+            resumed.scaler = torch.amp.GradScaler("cpu", init_scale=_RESUME_INIT_SCALE, growth_interval=_RESUME_GROWTH_INTERVAL,
+                                                  enabled=resume_dtype == torch.float16)
+            fresh_state = resumed.scaler.state_dict()
+            loads = _LoadWatch()
+            with mock.patch.object(torch, "load", loads):
+                got = call(fn, path, resumed.model, resumed.optimizer, resumed.scaler, name="resume_amp", shown=shown,
+                           hints=_RESUME_HINTS)
+        if False in loads.weights_only:
+            raise ExerciseFailed(f"{what}: you read the file with torch.load(..., weights_only=False), which runs whatever code "
+                                 "a file carries: this one holds only tensors, dicts and numbers, so read it with weights_only=True")
         if isinstance(got, torch.Tensor) and got.numel() == 1 and got.item() == step:
             raise ExerciseFailed(f"{what} returned a tensor, expected the Python int {step}")
         if isinstance(got, int) and not isinstance(got, bool) and got == step + 1:
             raise ExerciseFailed(f"{what} returned {got}, expected {step}: return the step stored in the checkpoint, not the next one")
         expect_equal(got, step, what=what)
-        if not _same_tree(resumed.model.state_dict(), saved["model"]):
-            raise ExerciseFailed(f"{what}: the model's weights are not the saved ones: load checkpoint['model'] into the model you were given")
-        if not _same_tree(resumed.optimizer.state_dict(), saved["optimizer"]):
-            raise ExerciseFailed(f"{what}: the optimizer's state (its momentum buffers) is not the saved one: "
-                                 "load checkpoint['optimizer'] into the optimizer you were given")
-        if resumed.scaler.state_dict() != saved["scaler"]:
-            got_scale = resumed.scaler.get_scale()
-            if got_scale == 2.0 ** 16 and saved["scaler"]["scale"] != got_scale:
-                raise ExerciseFailed(f"{what}: the scaler you were given still has a fresh scaler's scale, 65536, not the saved "
-                                     f"{saved['scaler']['scale']:g}: load checkpoint['scaler'] into it with load_state_dict")
-            raise ExerciseFailed(f"{what}: the scaler's state is {resumed.scaler.state_dict()}, expected the saved {saved['scaler']}")
-        _continue(original, 4, seed=802)
-        _continue(resumed, 4, seed=802)
-        if not _same_tree(_params(resumed.model), _params(original.model)) or resumed.scaler.state_dict() != original.scaler.state_dict():
-            raise ExerciseFailed(f"{what}: the resumed run does not go on as the uninterrupted run does")
+        _resume_fault(what, resumed, saved, fresh_state, resume_dtype)
+        if saved_dtype == resume_dtype:  # the real test: the resumed run goes on exactly as the uninterrupted one
+            _continue(original, 4, seed=802)
+            _continue(resumed, 4, seed=802)
+            if not _same_tree(_params(resumed.model), _params(original.model)) or resumed.scaler.state_dict() != original.scaler.state_dict():
+                raise ExerciseFailed(f"{what}: the resumed run does not go on as the uninterrupted run does")
+
+
+# accumulate_step: as amp_step, over micro-batches of different sizes (the last one is often smaller). The same steps go
+# wrong on purpose: an inf in one micro-batch, an overflow in backward, and float16's own overflows as its scale grows.
+
+_ACC_SIZES = [(6, 6, 3), (4, 4, 4, 4), (7, 2), (5,), (3, 5, 4), (2, 6)]
+_ACC_MAX_NORM = 0.8
+
+
+def _accumulate_batches(dtype: torch.dtype) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], int, int]:
+    """The hidden micro-batches of one precision, step by step, and the steps whose loss is NaN and whose backward overflows."""
+    g = torch.Generator().manual_seed(700 + _AMP_ORDER.index(dtype))
+    steps = [[(3 * torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes] for sizes in _ACC_SIZES]
+    nan_step, overflow_step = (1 + torch.randperm(len(steps) - 1, generator=g)[:2]).tolist()
+    steps[nan_step][-1][0][0, 2] = float("inf")  # an inf input in the last micro-batch: its loss is NaN
+    return steps, nan_step, overflow_step
+
+
+def _accumulate_variant(run: _AmpRun, micro: list, variant: str) -> None:
+    """One accumulation step done one of the typical wrong ways (the diagnosis compares the learner's weights with these)."""
+    model, optimizer, scaler, dtype = run.model, run.optimizer, run.scaler, run.dtype
+    total, k = sum(len(y) for _, y in micro), len(micro)
+    weight = {"mean_of_means": lambda n: 1 / k, "sum_of_means": lambda n: 1.0}.get(variant, lambda n: n / total)
+    if variant != "no_zero":
+        optimizer.zero_grad(set_to_none=True)
+    for x, y in micro:
+        if variant == "zero_each":
+            optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = F.cross_entropy(model(x), y) * weight(len(y))
+        scaler.scale(loss).backward()
+    if variant == "clip_before_unscale":
+        nn.utils.clip_grad_norm_(model.parameters(), _ACC_MAX_NORM)
+        scaler.unscale_(optimizer)
+    else:
+        scaler.unscale_(optimizer)
+        if variant != "no_clip":
+            nn.utils.clip_grad_norm_(model.parameters(), _ACC_MAX_NORM)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def _accumulate_mistakes(micro: list) -> list[tuple[str, str]]:
+    sizes, k = [len(y) for _, y in micro], len(micro)
+    return [
+        ("mean_of_means", f"each micro-batch's loss was divided by the number of micro-batches, {k}, which weights every sample of a "
+                          f"smaller micro-batch more (sizes here: {sizes}): weight each loss by its share of the samples, "
+                          "len(targets) / (all the samples of the step)"),
+        ("sum_of_means", f"the {k} micro-batch losses were added up unweighted, so the gradient is that of their sum, not of the "
+                         "mean over all the samples: weight each loss by its share of the samples"),
+        ("zero_each", "the gradients were cleared before each micro-batch, so only the last one counted: clear them once, "
+                      "before the first micro-batch"),
+        ("no_clip", "the gradients were not clipped: clip their total norm to max_norm after the last micro-batch"),
+        ("no_zero", "old gradients were still in .grad: clear them once, at the start of the step"),
+        ("clip_before_unscale", "the gradients were clipped while still scaled: call scaler.unscale_(optimizer) once, after the "
+                                "last micro-batch's backward, then clip"),
+    ]
+
+
+class _UpdateCounter:
+    """Counts the calls of one scaler's update(): all micro-batches of a step must see one scale."""
+
+    def __init__(self, scaler: torch.amp.GradScaler):
+        self.calls, self.update = 0, scaler.update
+        scaler.update = self
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.update(*args, **kwargs)
+
+
+_ACC_HINTS = {**_AMP_HINTS,
+              "unscale_() has already been called": "unscale_ once per step, after the last micro-batch's backward: "
+                                                    "the scaled gradients of every micro-batch must be added up first",
+              "No inf checks were recorded": ("scaler.update() ran before this step's scaler.unscale_(optimizer): update "
+                                              "once per step, after the last micro-batch, unscale_ and step, never per micro-batch")}
+
+
+@exercise("accumulate_step")
+@_restores_autocast
+def check_accumulate_step(fn) -> None:
+    for dtype in _AMP_ORDER:
+        _check_accumulate_precision(fn, dtype)
+
+
+def _check_accumulate_precision(fn: Callable, dtype: torch.dtype) -> None:
+    steps, nan_step, overflow_step = _accumulate_batches(dtype)
+    mine, ref = _AmpRun(dtype), _AmpRun(dtype)
+    watch, updates = _Watch(mine), _UpdateCounter(mine.scaler)
+    scaler_note = "enabled" if dtype == torch.float16 else "disabled"
+    for step, micro in enumerate(steps):
+        sizes = [len(y) for _, y in micro]
+        shown = (f"model, {len(micro)} micro-batches of {', '.join(map(str, sizes))} rows, F.cross_entropy, optimizer, "
+                 f"scaler ({scaler_note}), {dtype}, max_norm={_ACC_MAX_NORM}")
+        what = f"accumulate_step with dtype={dtype}, step {step} ({len(micro)} micro-batches of {sizes} rows)"
+        before = mine.state()  # the mistakes are simulated from the learner's own state, which may differ within tolerance
+        mine.overflow = ref.overflow = step == overflow_step
+        want = accumulate_step(ref.model, [(x.clone(), y.clone()) for x, y in micro], F.cross_entropy, ref.optimizer,
+                               ref.scaler, dtype, _ACC_MAX_NORM)
+        watch.clear()
+        updates.calls = 0
+        weights_before, scale_before = _params(mine.model), mine.scaler.get_scale()
+        given = [(x.clone(), y.clone()) for x, y in micro]
+        listed = list(given)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = call(fn, mine.model, listed, watch.cross_entropy, mine.optimizer, mine.scaler, dtype, _ACC_MAX_NORM,
+                       name="accumulate_step", shown=shown, hints=_ACC_HINTS)
+        mine.overflow = False
+        if listed != given or any(not torch.equal(a, x) or not torch.equal(b, y) for (a, b), (x, y) in zip(given, micro)):
+            raise ExerciseFailed(f"{what}: the caller's list of micro-batches, or a tensor in it, changed: leave them as they were")
+        _judge_precision(what, dtype, mine, watch, [str(w.message) for w in caught], scale_before)
+        if watch.forward_rows != sizes:
+            if sum(watch.forward_rows) == sum(sizes) and len(watch.forward_rows) < len(sizes):
+                raise ExerciseFailed(f"{what}: the model ran on {watch.forward_rows} rows at a time: run it on each micro-batch "
+                                     f"on its own ({sizes} rows), as accumulation exists so that a large batch never has to be "
+                                     "in memory at once")
+            raise ExerciseFailed(f"{what}: the model ran on batches of {watch.forward_rows} rows, expected one call per "
+                                 f"micro-batch, {sizes}")
+        if not isinstance(got, bool):
+            raise ExerciseFailed(f"{what} returned {type_name(got) if got is not None else 'None'}, expected a Python bool: "
+                                 "True when the weights were updated, False when the step was skipped")
+        if watch.steps > 1:
+            raise ExerciseFailed(f"{what}: the optimizer stepped {watch.steps} times in one call: step once, after the last micro-batch")
+        if updates.calls > 1:
+            raise ExerciseFailed(f"{what}: scaler.update() ran {updates.calls} times in one call: every micro-batch of a step must "
+                                 "be scaled by the same scale, so update once, after the step")
+        if not want:
+            cause = ("the loss of one micro-batch was NaN (an inf in its inputs)" if step == nan_step else
+                     _skip_cause(step, nan_step, overflow_step))
+            _judge_skip(what, dtype, cause, mine, ref, got, watch, weights_before, scale_before)
+            continue
+        after, expected = _params(mine.model), _params(ref.model)
+        name = _first_difference(after, expected, _AMP_ATOL)
+        if name is not None:
+            for variant, message in _accumulate_mistakes(micro):
+                if (variant == "clip_before_unscale" and dtype != torch.float16) or (variant != "no_clip" and len(micro) == 1
+                                                                                     and variant != "clip_before_unscale"):
+                    continue
+                simulated = _AmpRun.from_state(dtype, before)
+                _accumulate_variant(simulated, [(x.clone(), y.clone()) for x, y in micro], variant)
+                if _first_difference(after, _params(simulated.model), _AMP_ATOL) is None:
+                    raise ExerciseFailed(f"{what}: {message}")
+        _judge_good_step(what, got, watch, mine, ref, name, after, expected)
