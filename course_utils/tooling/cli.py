@@ -1,4 +1,4 @@
-"""Command line: `python -m course_utils lab|check|progress|reset|restore|workspace|grade|build|html|timings ...`.
+"""Command line: `python -m course_utils lab|check|progress|reset|restore|workspace|grade|autograder|build|html|timings ...`.
 
 Every error a learner can cause or meet (a bad lesson number, a missing or truncated
 notebook, a read-only folder, Ctrl-C) is printed as one line that says what to do, with
@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     p_grade.add_argument("--max-processes", type=int, default=None, metavar="N", help="process limit of a submission's user")
     p_grade.add_argument("--max-open-files", type=int, default=None, metavar="N", help="open-file limit of each process")
     p_grade.add_argument("--max-file-size-mb", type=int, default=None, metavar="MB", help="largest file a submission may write")
+    from course_utils.tooling.autograder import add_arguments as autograder_arguments
+
+    autograder_arguments(sub.add_parser("autograder", help="write a Gradescope autograder zip for lessons (autograder-NN.zip)"))
     p_build = sub.add_parser("build", help="regenerate the course's learner copies in notebooks/ from notebooks/solutions/")
     p_build.add_argument("lessons", nargs="*", help="lesson numbers (default: all)")
     p_build.add_argument("--execute", action="store_true", help="re-run each solution notebook first, refreshing its outputs")
@@ -198,6 +201,10 @@ def _run(args: argparse.Namespace) -> int:
         limits = Limits(**{name: value for name, value in chosen.items() if value is not None})
         return grade(args.folder, args.out, args.html, args.jobs, args.exercise_timeout, args.cell_timeout, args.timeout,
                      feedback=args.feedback, retry_errors=args.retry_errors, sandboxed=not args.no_sandbox, limits=limits)
+    if args.command == "autograder":
+        from course_utils.tooling.autograder import build as autograder
+
+        return autograder(args.lessons, args.out, args.points)
     if args.command == "build":
         from course_utils.tooling.build import build
 
