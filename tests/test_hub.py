@@ -26,6 +26,8 @@ from test_autograder import nobody_python
 COURSE = root()
 GIT = ["git", "-c", "user.name=course", "-c", "user.email=course@example.invalid"]
 WORK_DIR = "${HOME}/pytorch-course-work"
+OWN_COPY = "${HOME}/pytorch-course"
+WHERE = "from course_utils.tooling.layout import root, work_dir; print(root(), work_dir())"
 
 
 def lesson_files(lesson: str) -> list[Path]:
@@ -118,6 +120,9 @@ def test_a_course_update_keeps_the_students_work(tmp_path, how):
     pull(how, upstream.as_uri(), mine)
 
     assert snapshot(work) == before  # every file of the student's, byte for byte
+    if how == "nbgitpuller":  # the kernel the README registers for students' own copies: theirs, not the admin's
+        register_kernel(tmp_path / "prefix", ("PYTHONPATH", OWN_COPY))
+        assert kernel_says(tmp_path / "prefix", home, WHERE).split() == [str(mine), str(work)]
     assert "Updated for this term." in (mine / "notebooks" / "01_tensors.ipynb").read_text()
     assert "made 1 notebooks" in course_command(mine, "workspace")
     assert (work / "02_autograd.ipynb").read_bytes() == (mine / "notebooks" / "02_autograd.ipynb").read_bytes()
@@ -140,17 +145,14 @@ def test_a_shared_read_only_course_with_each_students_work_in_their_home(tmp_pat
         subprocess.run(["chmod", "-R", "a+rX,go-w", str(top / "opt")], check=True)
 
         # The kernel the README registers: the course's Python, COURSE_WORK_DIR in each user's home.
-        prefix = top / "prefix"
-        subprocess.run([sys.executable, "-m", "ipykernel", "install", "--prefix", str(prefix), "--name", "pytorch-course",
-                        "--display-name", "PyTorch course", "--env", "COURSE_WORK_DIR", WORK_DIR],
-                       check=True, capture_output=True)
-        spec = json.loads((prefix / "share" / "jupyter" / "kernels" / "pytorch-course" / "kernel.json").read_text())
+        spec = register_kernel(top / "prefix", ("COURSE_WORK_DIR", WORK_DIR))
         assert spec["argv"][0] == sys.executable and spec["env"] == {"COURSE_WORK_DIR": WORK_DIR}
         student = top / "home" / "ada"
         student.mkdir(parents=True)
         os.chmod(top / "home", 0o755)
         shutil.chown(student, "nobody")
-        seen = kernel_says(prefix, student, shared, "from course_utils.tooling.layout import root, work_dir; print(root(), work_dir())")
+        # PYTHONPATH stands for the admin's editable install of the shared copy (this .venv's points at the tests' course).
+        seen = kernel_says(top / "prefix", student, WHERE, PYTHONPATH=str(shared))
         assert seen.split() == [str(shared), str(student / "pytorch-course-work")]
 
         # The student makes their copies and works; the course stays as the admin left it.
@@ -175,15 +177,22 @@ def test_a_shared_read_only_course_with_each_students_work_in_their_home(tmp_pat
         shutil.rmtree(top, ignore_errors=True)
 
 
-def kernel_says(prefix: Path, home: Path, course: Path, code: str) -> str:
+def register_kernel(prefix: Path, *env: tuple[str, str]) -> dict:
+    """The README's `ipykernel install` of the course's kernel, into prefix instead of /usr/local; its kernel.json."""
+    subprocess.run([sys.executable, "-m", "ipykernel", "install", "--prefix", str(prefix), "--name", "pytorch-course",
+                    "--display-name", "PyTorch course", *[a for pair in env for a in ("--env", *pair)]],
+                   check=True, capture_output=True)
+    return json.loads((prefix / "share" / "jupyter" / "kernels" / "pytorch-course" / "kernel.json").read_text())
+
+
+def kernel_says(prefix: Path, home: Path, code: str, **env: str) -> str:
     """Start the registered kernel as Jupyter would for a user whose HOME is home; what code prints in it."""
     from jupyter_client.manager import KernelManager
     from jupyter_client.kernelspec import KernelSpecManager
 
     specs = KernelSpecManager(kernel_dirs=[str(prefix / "share" / "jupyter" / "kernels")])
     manager = KernelManager(kernel_name="pytorch-course", kernel_spec_manager=specs)
-    # PYTHONPATH stands for the admin's editable install of the shared copy (this .venv's points at the tests' course).
-    manager.start_kernel(env={**os.environ, "HOME": str(home), "PYTHONPATH": str(course)})
+    manager.start_kernel(env={**os.environ, "HOME": str(home), **env})
     client = manager.client()
     client.start_channels()
     out = []

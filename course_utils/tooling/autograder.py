@@ -412,6 +412,9 @@ def run(base: Path) -> dict:
         results_dir.mkdir(parents=True, exist_ok=True)
         _protect(results_dir)  # the results folder and the course: root's alone to write
         _protect(source)
+        metadata = base / "submission_metadata.json"  # Gradescope's: the students' names and earlier results
+        if metadata.exists():
+            os.chmod(metadata, 0o600)
     files = visible_files(base / "submission")
     notebooks, notes = classify(files, base / "submission", lesson, index)
     rows = graded = problem = None
