@@ -6,8 +6,8 @@ run_autograder takes from COURSE_AUTOGRADER_ROOT (used by these tests only), and
 submission: solved, untouched, half-solved and renamed (one notebook: `homework 5 (final).ipynb`,
 its lesson stamp removed), empty, missing, another lesson's notebook, a PDF, and a solved copy that
 tries to write results.json and the course's files, in a bubblewrap sandbox and again with the
-privilege drop that serves where a container allows no sandbox. `grade` grades the same honest
-notebooks in the same fixture, to compare scores. Every results.json is checked against a JSON
+privilege drop that serves where a container allows no sandbox. `grade` grades the untouched and
+the half-solved notebooks in the same fixture, to compare scores. Every results.json is checked against a JSON
 Schema written here from Gradescope's published specification (gradescope-autograders.readthedocs.io,
 "Autograder Specifications", Output format).
 """
@@ -31,7 +31,7 @@ import pytest
 
 from course_utils.tooling import autograder, sandbox
 from course_utils.tooling.layout import CourseError, exercises, root, source_for
-from test_grade import fill, learner, solved
+from test_grade import learner, solved
 
 LESSON = "05"
 NAMES = [e.name for e in exercises(LESSON)]
@@ -79,6 +79,8 @@ RESULTS_SCHEMA = {
 }
 # What this autograder promises beyond the specification: every exercise is a test with all five fields.
 OUR_TEST = {**TEST_CASE, "required": ["name", "score", "max_score", "status", "output"]}
+COMPARED = ("untouched", "half renamed")  # graded by `grade` too, in the same fixture
+LATE = f"course-autograder-late-writer-{os.getpid()}"  # in the command line of the hostile copies' late writers
 TOP_LEVEL = {"setup.sh", "run_autograder", "autograder.toml", "lessons.json", "pyproject.toml", "constraints.txt", "README.md", "LICENSE"}
 
 
@@ -115,7 +117,7 @@ for target in {[str(t) for t in targets]!r}:
         written.append(target)
     except OSError:
         pass
-later = "sleep 3; " + "; ".join(f"echo forged >> '{{t}}'" for t in {[str(t) for t in targets[1:3]]!r})
+later = "sleep 3; " + "; ".join(f"echo forged >> '{{t}}'" for t in {[str(t) for t in targets[1:3]]!r}) + " # {LATE}"
 subprocess.Popen(["sh", "-c", later], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 assert os.getuid() != 0, "the submission runs as root"
 assert not written, f"the submission wrote {{written}}"
@@ -151,6 +153,13 @@ def venv_reusing_packages(folder: Path, python: Path) -> Path:
     packages = next(p for p in sys.path if p.endswith("site-packages") and Path(p, "torch").is_dir())
     (site / "course-packages.pth").write_text(packages + "\n")
     return folder
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def tree_hash(folder: Path) -> dict[str, str]:
@@ -220,7 +229,7 @@ def autograded(tmp_path_factory):
         bases[case] = layout(zip_path, base, nobody_venv if isolation == "setpriv" else venv, files)
     sources = {case: tree_hash(base / "source") for case, base in bases.items()}
     honest = tmp_path_factory.mktemp("honest")
-    for case in ("solved", "untouched", "half renamed"):
+    for case in COMPARED:  # the solved copy's mapping (pass: full points) is the half-solved one's too
         name, data = next(iter(cases[case][0].items()))
         (honest / f"{case.replace(' ', '-')}.ipynb").write_bytes(data)
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -230,7 +239,8 @@ def autograded(tmp_path_factory):
         runs = {case: future.result() for case, future in runs.items()}
         grade_run = grade_run.result()
     assert grade_run.returncode == 0, grade_run.stdout + grade_run.stderr
-    time.sleep(4)  # the hostile copies' late writers would have written by now
+    late = [p for p in Path("/proc").glob("[0-9]*") if LATE.encode() in _cmdline(p)]
+    assert not late, "a process the submission started outlived run_autograder"
     with open(out / "grades.csv", newline="") as f:
         grades = list(csv.DictReader(f))
     results = {}
@@ -352,7 +362,7 @@ def test_scores_equal_grades_for_the_same_notebooks(autograded):
     by_submission = {}
     for row in autograded["grades"]:
         by_submission.setdefault(row["submission"], {})[row["exercise"]] = (row["status"], row["reason"])
-    for case in ("solved", "untouched", "half renamed"):
+    for case in COMPARED:
         graded = by_submission[f"{case.replace(' ', '-')}.ipynb"]
         for test in autograded["results"][case]["tests"]:
             status, reason = graded[test["name"]]

@@ -1,7 +1,6 @@
 """course_utils.tooling.publish: the repository URL, each lesson's Colab/Kaggle set-up cell and its badges, and the build that writes them."""
 
 import json
-import os
 import shutil
 import sys
 import timeit

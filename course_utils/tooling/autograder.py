@@ -37,6 +37,7 @@ from course_utils.tooling.grade import CHECK_CALL, Grader, Settings, submission_
 from course_utils.tooling.layout import (
     CourseError, cell_tags, exercises, lesson_number, read_notebook_json, root, source_for, source_notebooks,
 )
+from course_utils.tooling.runner import become_subreaper, guarded, kill_descendants
 
 MAX_ZIP_BYTES = 1_000_000  # Gradescope rebuilds its image from setup.sh: the zip carries the course, not its packages
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "autograder"
@@ -319,8 +320,6 @@ class AutograderGrader(Grader):
                "PYTHONPATH": str(root()), **dict(settings.env)}
         if settings.threads:
             env.setdefault("OMP_NUM_THREADS", str(settings.threads))
-        from course_utils.tooling.runner import guarded
-
         return [*_no_new_privileges(), *guarded(child)], env
 
 
@@ -398,8 +397,6 @@ def _write_results(path: Path, data: dict) -> None:
 
 def run(base: Path) -> dict:
     """Grade the submission under base/submission and write base/results/results.json (base is /autograder on Gradescope)."""
-    from course_utils.tooling.runner import become_subreaper, kill_descendants
-
     start = time.monotonic()
     source, results_dir = base / "source", base / "results"
     config = _config((source / CONFIG).read_text(encoding="utf-8"))
