@@ -401,3 +401,15 @@ def test_the_autograders_times(autograded):
     """Not a limit: the wall time of each run, printed for the README's instructor guide (machine load varies)."""
     for case, run in autograded["runs"].items():
         print(f"{case}: {run['seconds']:.1f} s")
+
+
+def test_the_command_refuses_in_one_line(tmp_path, capsys):
+    from course_utils.tooling.cli import main
+
+    points = tmp_path / "points.toml"
+    points.write_text("[points]\n")
+    assert main(["autograder", "05", "06", "--points", str(points), "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == "error: --points gives one lesson's points: build that lesson's autograder alone\n"
+    assert main(["autograder", "99", "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith("error: there is no lesson 99: the lessons are 00, 01")
+    assert not list(tmp_path.glob("*.zip"))

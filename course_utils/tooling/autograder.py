@@ -177,13 +177,6 @@ def build(lessons: list[str], out: str, points: str | None = None) -> int:
     return 0
 
 
-def add_arguments(parser) -> None:
-    """The `autograder` command's arguments (cli.py adds the command)."""
-    parser.add_argument("lessons", nargs="+", metavar="NN", help="lesson numbers, or `all`")
-    parser.add_argument("--out", default="build/autograder", help="folder for autograder-NN.zip (default: build/autograder)")
-    parser.add_argument("--points", metavar="FILE", help="an autograder.toml with your points per exercise (one lesson only)")
-
-
 # ---------------------------------------------------------------- grading one submission (inside Gradescope's container)
 
 def _config(text: str, where: str = CONFIG) -> dict:

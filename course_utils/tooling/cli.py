@@ -124,9 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     p_grade.add_argument("--max-processes", type=int, default=None, metavar="N", help="process limit of a submission's user")
     p_grade.add_argument("--max-open-files", type=int, default=None, metavar="N", help="open-file limit of each process")
     p_grade.add_argument("--max-file-size-mb", type=int, default=None, metavar="MB", help="largest file a submission may write")
-    from course_utils.tooling.autograder import add_arguments as autograder_arguments
-
-    autograder_arguments(sub.add_parser("autograder", help="write a Gradescope autograder zip for lessons (autograder-NN.zip)"))
+    p_autograder = sub.add_parser("autograder", help="write a Gradescope autograder zip per lesson (autograder-NN.zip)")
+    p_autograder.add_argument("lessons", nargs="+", metavar="NN", help="lesson numbers, or `all`")
+    p_autograder.add_argument("--out", default="build/autograder", help="folder for the zips (default: build/autograder)")
+    p_autograder.add_argument("--points", metavar="FILE", help="an autograder.toml with your points per exercise (one lesson only)")
     p_build = sub.add_parser("build", help="regenerate the course's learner copies in notebooks/ from notebooks/solutions/")
     p_build.add_argument("lessons", nargs="*", help="lesson numbers (default: all)")
     p_build.add_argument("--execute", action="store_true", help="re-run each solution notebook first, refreshing its outputs")

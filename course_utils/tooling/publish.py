@@ -53,7 +53,7 @@ def setup_cell(lesson: str, url: str | None) -> str:
             'if "google.colab" in sys.modules or "KAGGLE_KERNEL_RUN_TYPE" in os.environ:\n')
     if url is None:
         return head + ('    raise RuntimeError("this copy of the course names no repository to fetch it from: set Repository in '
-                       "pyproject.toml's [project.urls], then run `python -m course_utils build` (README: Colab and Kaggle)\")")
+                       "pyproject.toml's [project.urls], then run `python -m course_utils build --execute` (README: In Colab or Kaggle)\")")
     url_text, folder, lesson_text = (json.dumps(x) for x in (url, clone_folder(url), lesson))
     return head + (
         "    import subprocess\n"
