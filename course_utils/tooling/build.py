@@ -143,14 +143,17 @@ def execute(nb, path: Path) -> None:
     The kernel runs as under the checker (COURSE_CHECKER=1), so that the stored outputs are the
     ones nbval compares with: a check prints its PASS line instead of displaying it. Its work
     folder (COURSE_WORK_DIR) is a new empty one, so that what a cell shows of a learner's work
-    (lesson 00's progress table) is a fresh clone's, never the builder's own work/.
+    (lesson 00's progress table) is a fresh clone's, never the builder's own work/. Its CPU kernels
+    are those strict nbval pins (course_utils.reproducibility.same_kernels_env).
     """
     import tempfile
 
     from nbclient import NotebookClient
 
+    from course_utils.reproducibility import same_kernels_env
+
     with tempfile.TemporaryDirectory(prefix="course-build-work-") as empty, \
-            _environment(COURSE_CHECKER="1", COURSE_WORK_DIR=str(Path(empty) / "work")):
+            _environment(COURSE_CHECKER="1", COURSE_WORK_DIR=str(Path(empty) / "work"), **same_kernels_env()):
         NotebookClient(
             nb,
             timeout=600,
