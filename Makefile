@@ -69,7 +69,7 @@ $(STAMP): pyproject.toml constraints.txt | check-python
 	touch $(STAMP)
 
 $(TEST_STAMP): $(STAMP)
-	@echo "Installing the test extra (playwright, which drives Debian's chromium)."
+	@echo "Installing the test extra (playwright, which drives Debian's chromium, and nbgitpuller, for the JupyterHub test)."
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	touch $(TEST_STAMP)
 

@@ -207,11 +207,12 @@ def test_build_writes_tagged_source_and_learner_copy(tmp_path):
     assert build([source]) == [tmp_path / "notebooks" / "01_tensors.ipynb"]
     saved = nbformat.read(source, as_version=4)
     assert saved.metadata["course"]["lesson"] == "01"
-    assert saved.cells[0].metadata["tags"] == ["exercise:add_one"]
-    assert "### BEGIN SOLUTION" in saved.cells[0].source
+    assert saved.cells[0].metadata["tags"] == ["hosted-setup"]  # the Colab set-up cell comes first (tests/test_publish.py)
+    assert saved.cells[1].metadata["tags"] == ["exercise:add_one"]
+    assert "### BEGIN SOLUTION" in saved.cells[1].source
     learner = nbformat.read(tmp_path / "notebooks" / "01_tensors.ipynb", as_version=4)
-    assert "y = x + 1" not in learner.cells[0].source
-    assert learner.cells[1].metadata["tags"] == ["check:add_one"]
+    assert "y = x + 1" not in learner.cells[1].source
+    assert learner.cells[2].metadata["tags"] == ["check:add_one"]
     assert learner.metadata["course"]["lesson"] == "01"  # the checker and the grader read it
 
 

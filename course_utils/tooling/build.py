@@ -17,6 +17,7 @@ import re
 from pathlib import Path, PurePosixPath
 from typing import Iterator
 
+from course_utils.tooling import publish
 from course_utils.tooling.layout import learner_path, lesson_of_path, source_notebooks, write_atomic
 
 BEGIN = "### BEGIN SOLUTION"
@@ -129,6 +130,9 @@ def learner_copy(nb):
         cell.execution_count = None
         tags = [t for t in cell.metadata.get("tags", []) if not t.startswith(SOURCE_ONLY_TAGS)]
         cell.metadata = {"tags": tags} if tags else {}
+    for cell in learner.cells:  # the badges open the learner's copy, not the solution copy
+        if publish.BADGES_TAG in cell.metadata.get("tags", []):
+            cell.source = publish.learner_badges(cell.source)
     learner.metadata.pop("widgets", None)
     return learner
 
@@ -200,7 +204,10 @@ def stamp_lesson(nb, source: Path) -> None:
 
 
 def build(sources: list[Path] | None = None, *, run: bool = False) -> list[Path]:
-    """Tag (and optionally re-execute) each source notebook and write its learner copy; return the copies written."""
+    """Tag each source notebook, refresh its hosted set-up cell and badges, optionally re-execute it, and write its learner copy.
+
+    Returns the learner copies written.
+    """
     import nbformat  # imported here: it costs the checker's command line over a second
 
     written = []
@@ -208,6 +215,7 @@ def build(sources: list[Path] | None = None, *, run: bool = False) -> list[Path]
         nb = nbformat.read(source, as_version=4)
         stamp_lesson(nb, source)
         tag_source(nb)
+        publish.refresh(nb, source)  # the Colab and Kaggle set-up cell and badges, from pyproject.toml's URL
         write_atomic(source, nbformat.writes(nb) + "\n")  # tagged before it runs: its scoreboard reads the tags
         if run:
             execute(nb, source)

@@ -1,4 +1,4 @@
-"""Command line: `python -m course_utils lab|check|progress|workspace|reset|restore|grade|html|build|timings ...`.
+"""Command line: `python -m course_utils lab|check|progress|workspace|reset|restore|grade|autograder|html|build|timings ...`.
 
 Every error a learner can cause or meet (a bad lesson number, a missing or truncated
 notebook, a read-only folder, Ctrl-C) is printed as one line that says what to do, with
@@ -104,7 +104,7 @@ def progress(recheck: bool) -> int:
 # The commands in --help, by who uses them: the learner's first.
 GROUPS = {
     "your work": ["lab", "check", "progress", "workspace", "reset", "restore"],
-    "for instructors": ["grade", "html"],
+    "for instructors": ["grade", "autograder", "html"],
     "for the course's maintainers": ["build", "timings"],
 }
 HELP = {
@@ -115,6 +115,7 @@ HELP = {
     "reset": "a fresh copy of a lesson in work/ (your current file is backed up first)",
     "restore": "bring back a backup of a lesson (your current file is backed up first)",
     "grade": "grade a folder of submitted notebooks: a CSV, summary tables, an HTML page",
+    "autograder": "write a Gradescope autograder for lessons (autograder-NN.zip)",
     "html": "render the solution notebooks to static HTML for the classroom",
     "build": "regenerate the course's learner copies in notebooks/ from notebooks/solutions/",
     "timings": "time every lesson under nbval and the checker; rewrite README's course map",
@@ -179,6 +180,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p_grade.add_argument("--max-processes", type=int, default=None, metavar="N", help="process limit of a submission's user")
     p_grade.add_argument("--max-open-files", type=int, default=None, metavar="N", help="open-file limit of each process")
     p_grade.add_argument("--max-file-size-mb", type=int, default=None, metavar="MB", help="largest file a submission may write")
+    p_autograder = add("autograder", "Write autograder-NN.zip for each lesson given (`all`: every lesson), to upload to a Gradescope "
+                                     "assignment: it installs the course and grades each upload with its checks (README: Grading on Gradescope).")
+    p_autograder.add_argument("lessons", nargs="+", metavar="NN", help="lesson numbers, or `all`")
+    p_autograder.add_argument("--out", default="build/autograder", help="folder for the zips (default: build/autograder)")
+    p_autograder.add_argument("--points", metavar="FILE", help="an autograder.toml with your points per exercise (one lesson only)")
     p_html = add("html")
     p_html.add_argument("--out", default=None, help="output folder (default: build/html)")
     p_build = add("build")
@@ -283,6 +289,10 @@ def _run(args: argparse.Namespace) -> int:
         limits = Limits(**{name: value for name, value in chosen.items() if value is not None})
         return grade(args.folder, args.out, args.html, args.jobs, args.exercise_timeout, args.cell_timeout, args.timeout,
                      feedback=args.feedback, retry_errors=args.retry_errors, sandboxed=not args.no_sandbox, limits=limits)
+    if args.command == "autograder":
+        from course_utils.tooling.autograder import build as autograder
+
+        return autograder(args.lessons, args.out, args.points)
     if args.command == "build":
         from course_utils.tooling.build import build
 
