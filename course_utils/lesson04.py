@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.nn.utils.rnn import pad_sequence
-from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Subset, WeightedRandomSampler, default_convert, get_worker_info, random_split
+from torch.utils.data import (DataLoader, Dataset, IterableDataset, RandomSampler, Subset, WeightedRandomSampler, default_convert,
+                              get_worker_info, random_split)
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import find_classes
 from torchvision.transforms import v2
@@ -229,8 +230,8 @@ def check_read_item(fn) -> None:
 
 # ---- smoothed_targets ---------------------------------------------------------------------------
 
-# (labels, num_classes, smoothing): no case has 10 classes, a batch as wide as its classes, or only
-# the classes up to num_classes - 1; the last case's labels stop below it, so F.one_hot's guess shows.
+# (labels, num_classes, smoothing): no case has 10 classes or a batch as wide as its classes, and in the
+# last two the largest label stops below num_classes - 1, so a width guessed from the labels shows.
 _SMOOTHING_CASES = [
     ([3, 11, 0, 3, 7], 12, 0.1),
     ([1], 3, 0.3),
@@ -271,16 +272,16 @@ def check_smoothed_targets(fn) -> None:
         what = f"smoothed_targets({shown})"
         got = call(fn, given, num_classes, smoothing, shown=shown, hints=hints)
         if not torch.equal(given, labels) or given.shape != labels.shape:
-            raise ExerciseFailed(f"{what} changed the labels it was given (an in-place unsqueeze_ or scatter_ on them?): leave them as they are")
+            raise ExerciseFailed(f"{what} changed the labels it was given: leave them as they are")
         expected = smoothed_targets(labels, num_classes, smoothing)
         rows = len(values)
         if isinstance(got, torch.Tensor) and got.ndim == 2 and got.shape[0] == rows and got.shape[1] != num_classes:
             width = got.shape[1]
             if width == max(values) + 1:
-                raise ExerciseFailed(f"{what} has {width} columns, max(labels) + 1: F.one_hot guesses the number of classes from the labels "
-                                     f"unless you pass num_classes ({num_classes})")
+                raise ExerciseFailed(f"{what} has {width} columns, max(labels) + 1: the number of classes came from the labels, as F.one_hot "
+                                     f"does without num_classes; make num_classes ({num_classes}) columns")
             if width == 10:
-                raise ExerciseFailed(f"{what} has 10 columns, the digits' classes: the number of classes is num_classes ({num_classes})")
+                raise ExerciseFailed(f"{what} has 10 columns, the digits' number of classes: this case has num_classes = {num_classes}")
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype != torch.float32:
             hint = " (F.one_hot, for one, gives int64: convert with .float())" if not got.is_floating_point() else ""
             raise ExerciseFailed(f"{what} has dtype {got.dtype}, expected torch.float32: CrossEntropyLoss takes class probabilities as floats{hint}")

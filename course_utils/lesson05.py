@@ -635,8 +635,8 @@ def _overfit_cases() -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor, C
 
 
 def _overfit_run(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, steps: int,
-                 make_optimizer: Callable, order: str = "right") -> list[float]:
-    """A typical wrong answer's losses: another optimizer, or zero_grad() in another place. Dropout off, as the reference has it."""
+                 make_optimizer: Callable, zero_grad: bool = True) -> list[float]:
+    """A typical wrong answer's losses: another optimizer, or no zero_grad(). Dropout off, as the reference has it."""
     model.train()
     for module in model.modules():
         if isinstance(module, nn.Dropout):
@@ -644,12 +644,10 @@ def _overfit_run(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, 
     optimizer = make_optimizer(model.parameters())
     losses = []
     for _ in range(steps):
-        if order == "right":
+        if zero_grad:
             optimizer.zero_grad()
         loss = loss_fn(model(inputs), targets)
         loss.backward()
-        if order == "zero_grad between":
-            optimizer.zero_grad()
         optimizer.step()
         losses.append(loss.item())
     return losses
@@ -659,14 +657,14 @@ def _overfit_variants(model: nn.Module, inputs: torch.Tensor, targets: torch.Ten
                       lr: float) -> list[tuple[list[float], str]]:
     """The losses of the typical wrong answers on this case, each with its diagnosis."""
     runs = [
-        (lambda p: torch.optim.SGD(p, lr=lr), "right", "these are the losses of torch.optim.SGD: the prompt asks for torch.optim.Adam"),
-        (lambda p: torch.optim.AdamW(p, lr=lr), "right",
+        (lambda p: torch.optim.SGD(p, lr=lr), True, "these are the losses of torch.optim.SGD: the prompt asks for torch.optim.Adam"),
+        (lambda p: torch.optim.AdamW(p, lr=lr), True,
          "these are the losses of torch.optim.AdamW, which decays the weights by default (weight_decay=0.01): use torch.optim.Adam, "
          "whose default is no decay"),
-        (lambda p: torch.optim.Adam(p), "right", "these are the losses of Adam at its default lr, 1e-3: pass lr"),
-        (lambda p: torch.optim.Adam(p, lr=lr), "never", "the gradients piled up from step to step: call optimizer.zero_grad() before each backward()"),
+        (lambda p: torch.optim.Adam(p), True, "these are the losses of Adam at its default lr, 1e-3: pass lr"),
+        (lambda p: torch.optim.Adam(p, lr=lr), False, "the gradients piled up from step to step: call optimizer.zero_grad() before each backward()"),
     ]
-    return [(_overfit_run(copy.deepcopy(model), inputs, targets, loss_fn, steps, make, order), message) for make, order, message in runs]
+    return [(_overfit_run(copy.deepcopy(model), inputs, targets, loss_fn, steps, make, zero_grad), message) for make, zero_grad, message in runs]
 
 
 def _modes(model: nn.Module) -> dict[str, bool]:
