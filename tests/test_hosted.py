@@ -63,7 +63,8 @@ def test_set_up_installs_the_pin_and_only_what_is_missing(monkeypatch, tmp_path,
     have = {"torch": "2.9.0+cu126", "torchvision": "0.24.0", "nbval": None, "onnxscript": None}
     monkeypatch.setattr(hosted, "installed", lambda name: have.get(name, "1.0"))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("COURSE_WORK_DIR", raising=False)
+    monkeypatch.setenv("COURSE_WORK_DIR", "")  # recorded first, so that the test's end restores what was there before:
+    monkeypatch.delenv("COURSE_WORK_DIR")  # set_up writes os.environ itself, behind monkeypatch's back
     monkeypatch.delitem(sys.modules, "torch", raising=False)  # as in a fresh runtime (restored after the test)
     def run(argv, check):
         calls.append(argv[argv.index("install") + 1:])
@@ -77,7 +78,6 @@ def test_set_up_installs_the_pin_and_only_what_is_missing(monkeypatch, tmp_path,
     assert lines[0].startswith(f"torch {pins['torch']}: the course's pinned version, installed because this runtime's 2.9.0+cu126")
     assert os.environ["COURSE_WORK_DIR"] == str(tmp_path) and f"{tmp_path}/.progress.json" in lines[-1]
     assert capsys.readouterr().out.splitlines() == lines
-    monkeypatch.delenv("COURSE_WORK_DIR")
 
 
 def published_course(folder: Path) -> str:
