@@ -442,7 +442,13 @@ def check_capture_activations(fn) -> None:
         for name in names:
             value = got[name]
             if isinstance(value, (tuple, list)) and torch.is_tensor(value[0] if value else None):
-                raise ExerciseFailed(f"{what}[{name!r}] is a {type(value).__name__}: store the hook's output, a tensor (the inputs come as a tuple)")
+                if len(value) == 1 and _same(value[0].detach(), expected[name]):
+                    raise ExerciseFailed(f"{what}[{name!r}] is a {type(value).__name__} that holds the output: store the output itself, "
+                                         "one tensor per name")
+                if _same(value[0].detach(), inputs[name]):
+                    raise ExerciseFailed(f"{what}[{name!r}] is a {type(value).__name__} that holds the module's input: a forward hook is "
+                                         "called as hook(module, args, output), and args is the tuple of inputs; store output")
+                raise ExerciseFailed(f"{what}[{name!r}] is a {type(value).__name__}, expected a tensor (the sub-module's output)")
             if not isinstance(value, torch.Tensor):
                 raise ExerciseFailed(f"{what}[{name!r}] is {a_type(value)}, expected a tensor (the sub-module's output)")
             if value.requires_grad:
@@ -601,7 +607,11 @@ def check_layer_grad_norms(fn) -> None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the first layer's input needs no gradient: its full backward hook warns
-                got = call(fn, model, x, y, loss_fn, list(names), shown=shown, hints=hints)
+                frozen = any(not p.requires_grad for p in model.parameters())
+                got = call(fn, model, x, y, loss_fn, list(names), shown=shown, hints={**hints, **({} if frozen else {
+                    "One of the differentiated Tensors does not require grad": "a tensor you differentiated with respect to does not "
+                    "require grad: no parameter of this model is frozen, and the data x needs no gradient; differentiate with respect "
+                    "to the trainable parameters"})})
         finally:
             for handle in watchers:
                 handle.remove()
@@ -630,7 +640,8 @@ def check_layer_grad_norms(fn) -> None:
         got = _expect_names(got, names, what, "gradient norm", "module, grad_input, grad_output", model)
         weight_values = {n: m.weight.detach().norm().item() for n, m in model.named_modules()
                          if n in names and isinstance(getattr(m, "weight", None), torch.Tensor)}
-        _expect_norms(got, names, expected, out_grads, grad_inputs, weight_norms, weight_values, what)
+        _expect_norms(got, names, expected, out_grads, grad_inputs, weight_norms, weight_values, what,
+                      {y.numel(): "the number of target elements", len(x): "the batch size"})  # the batch size wins a tie
 
     tripped = _tower(5, trip=True)
     names = ["stem", "body"]
@@ -645,8 +656,9 @@ def _close(a: float, b: float) -> bool:
 
 
 def _expect_norms(got: dict, names: list[str], expected: dict, out_grads: dict, grad_inputs: dict, weight_norms: dict,
-                  weight_values: dict, what: str) -> None:
-    """Each value a Python float equal to the norm at the layer's output; a value that is a known other quantity named."""
+                  weight_values: dict, what: str, counts: dict[int, str]) -> None:
+    """Each value a Python float equal to the norm at the layer's output; a value that is a known other quantity named. `counts`:
+    the sizes a loss summed instead of averaged would multiply every norm by, with their names."""
     numbers = {n: v for n, v in got.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     def stand_in(v: Any) -> bool:  # what a learner writes where grad_input holds None: None itself, 0, or NaN
@@ -666,6 +678,13 @@ def _expect_norms(got: dict, names: list[str], expected: dict, out_grads: dict, 
             raise ExerciseFailed(f"{what}[{name!r}] is a tensor, expected a Python float: call .item() on the norm")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ExerciseFailed(f"{what}[{name!r}] is {a_type(value)}, expected a Python float")
+    ratios = [got[n] / expected[n] for n in names if expected[n] > 0]
+    if ratios and all(math.isclose(r, ratios[0], rel_tol=1e-4) for r in ratios):
+        scale = next(((count, label) for count, label in counts.items() if count > 1 and math.isclose(ratios[0], count, rel_tol=1e-4)), None)
+        if scale:
+            raise ExerciseFailed(f"{what}: every norm is {scale[0]} times the expected one ({scale[1]}), e.g. [{names[0]!r}] is "
+                                 f"{got[names[0]]:.6g}, expected {expected[names[0]]:.6g}: the loss was summed where loss_fn averages "
+                                 "(reduction='sum', or the mean multiplied by a count); use loss_fn(model(x), y) as it is")
     for name in names:
         value, want = got[name], expected[name]
         if _close(value, want):
@@ -773,8 +792,11 @@ class _Adversarial:
         input ('branch', the exercise), on the features for every use ('input'), or at the classifier's output ('output').
         The module's own hooks are off meanwhile."""
         saved = {d: dict(getattr(self.domain, d)) for d in HOOK_DICTS}
+        saved_global = {d: dict(getattr(module_globals, d)) for d in GLOBAL_HOOK_DICTS if hasattr(module_globals, d)}
         for d in HOOK_DICTS:
             getattr(self.domain, d).clear()
+        for d in saved_global:
+            getattr(module_globals, d).clear()
         try:
             total = 0
             for data, factor in zip(self.data, factors):
@@ -789,6 +811,8 @@ class _Adversarial:
         finally:
             for d, hooks in saved.items():
                 getattr(self.domain, d).update(hooks)
+            for d, hooks in saved_global.items():
+                getattr(module_globals, d).update(hooks)
 
 
 def _same_grads(a: dict, b: dict) -> bool:
@@ -833,7 +857,24 @@ def _reversal_fault(world: _Adversarial, got: dict, lams: tuple[float, float], r
             if (place_fault or factor_fault) and not (place_fault and scale == (1.0, 1.0)) and \
                     _same_grads(got, world.simulate(scale, place)):
                 return "; and ".join(fault for fault in (place_fault, factor_fault) if fault)
+    fitted = _fitted_factors(world, got)
+    if fitted is not None:
+        return (f"the gradient through the module was multiplied by {fitted[0]:.4g} in the step with strength() = {lams[0]} and by "
+                f"{fitted[1]:.4g} in the step with {lams[1]}; expected {-lams[0]:.4g} and {-lams[1]:.4g} (-strength())")
     return ""
+
+
+def _fitted_factors(world: _Adversarial, got: dict) -> tuple[float, float] | None:
+    """The two factors by which the gradient through the module's branch was multiplied, when some pair explains every
+    gradient exactly (the gradients are linear in them), else None."""
+    if got["w"] is None:
+        return None
+    base = world.simulate((0.0, 0.0))
+    first, second = (world.simulate(f)["w"] - base["w"] for f in ((1.0, 0.0), (0.0, 1.0)))
+    basis = torch.stack([first.flatten(), second.flatten()], 1).double()
+    solution = torch.linalg.lstsq(basis, (got["w"] - base["w"]).flatten().double().unsqueeze(1)).solution.flatten()
+    factors = (solution[0].item(), solution[1].item())
+    return factors if all(math.isfinite(f) for f in factors) and _same_grads(got, world.simulate(factors)) else None
 
 
 @exercise("add_gradient_reversal")
@@ -1156,6 +1197,7 @@ def _probes() -> dict[str, tuple[nn.Module, str]]:
     return {
         "partial inf": (nn.Sequential(nn.Linear(3, 3), _Emit([0.0, inf, 0.0]), nn.Tanh()), "1"),
         "partial inf, two layers before the end": (nn.Sequential(nn.Linear(3, 3), _Emit([0.0, inf, 0.0]), nn.Linear(3, 3), nn.Tanh()), "1"),
+        "large finite values": (nn.Sequential(nn.Linear(3, 3), _Emit([3e38, 3e38, 0.0]), nn.Tanh()), None),  # finite; their sum is inf
         "partial -inf": (nn.Sequential(nn.Linear(3, 3), _Emit([0.0, -inf, 0.0]), nn.Tanh()), "1"),
         "partial NaN": (nn.Sequential(nn.Linear(3, 3), _Emit([0.0, nan, 0.0]), nn.Linear(3, 3)), "1"),
         "inf everywhere": (nn.Sequential(nn.Linear(3, 3), _Emit([inf, inf, inf]), nn.Tanh()), "1"),
@@ -1173,6 +1215,9 @@ NONFINITE_RULES = [
     (lambda a, ok: ok("partial NaN") and all(a[k] is None for k in ("partial inf", "partial -inf", "inf everywhere",
                                                                    "a layer with parameters")),
      "it tests for NaN only and misses inf: test with torch.isfinite, which catches NaN, inf and -inf"),
+    (lambda a, ok: a["large finite values"] == "1" and ok("partial inf") and ok("partial NaN"),
+     "it flags an output whose elements are all finite but whose sum overflows to inf: test the elements, t.isfinite().all(), "
+     "not their sum"),
     (lambda a, ok: a["partial -inf"] is None and ok("partial inf") and ok("partial NaN"),
      "it misses -inf: test with torch.isfinite, which catches NaN, inf and -inf"),
     (lambda a, ok: a["partial NaN"] is None and ok("partial inf") and ok("partial -inf"),
@@ -1212,7 +1257,7 @@ def _nonfinite_fault(fn: Callable) -> str:
     finally:
         for d, key in _global_hooks() - global_before:
             getattr(module_globals, d).pop(key, None)
-    if answers != culprits and answers == lasts:
+    if answers != culprits and all(answers[k] == lasts[k] for k in culprits if culprits[k] is not None):
         return ("on every model it answered the name of the last module in named_modules(), whatever the culprit: each hook read the "
                 "loop variable when it ran, and saw its last value; bind the name when you define each hook (name=name, or "
                 "functools.partial)")
@@ -1248,7 +1293,8 @@ def check_first_nonfinite(fn) -> None:
         flagged = [n for n, nan, inf, _, _ in run if nan or inf]
         name = repr(expected) if expected else "'' (the model itself)"
         if expected is None:
-            raise ExerciseFailed(f"{what} returned {got!r}, expected None: every module's output is finite")
+            fault = _nonfinite_fault(fn)
+            raise ExerciseFailed(f"{what} returned {got!r}, expected None: every module's output is finite" + (f"; {fault}" if fault else ""))
         if isinstance(got, str) and got in flagged and (got == "" or expected.startswith(got + ".")):
             raise ExerciseFailed(
                 f"{what} returned {got!r}, but its sub-module {name} produced the non-finite value first: "
@@ -1475,6 +1521,7 @@ def _memory_mix_ups(steps: Callable[[], dict], names: list[str], expected: dict[
         "has a row of its own, '[memory]', which counts too": operators,
         "negative numbers clipped to 0: a phase that frees more than it allocates leaves a negative number": {n: max(0, v) for n, v in expected.items()},
         "each change without its sign: a phase that frees more than it allocates leaves a negative number": {n: abs(v) for n, v in expected.items()},
+        "each change with the opposite sign: allocations minus frees is positive for a phase that allocates": {n: -v for n, v in expected.items()},
         "KiB: return the bytes themselves": {n: v // 1024 for n, v in expected.items()},
         "KiB: return the bytes themselves ": {n: round(v / 1024) for n, v in expected.items()},
         "MiB: return the bytes themselves": {n: round(v / 2**20) for n, v in expected.items()},

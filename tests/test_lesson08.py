@@ -362,6 +362,19 @@ def gr_times_one(module, strength):
     return module.register_forward_pre_hook(pre)
 
 
+def gr_global_pre_hook_for_the_module(module, strength):
+    """A correct alternative: a global forward pre-hook that acts on this module only."""
+    def pre(m, args):
+        (x,) = args
+        if m is not module or not (torch.is_grad_enabled() and x.requires_grad):
+            return None
+        lam = strength()
+        y = x.view_as(x)
+        y.register_hook(lambda g: -lam * g)
+        return (y,)
+    return nn.modules.module.register_module_forward_pre_hook(pre)
+
+
 def _gr(module, strength, *, scale=lambda lam: -lam, when="forward", new_node=True, give_back=True, in_place=False, guard=True):
     """Variants of the reference, one fault each."""
     fixed = strength()
@@ -1021,6 +1034,7 @@ RIGHT = [
     (L.check_add_gradient_reversal, gr_autograd_function),
     (L.check_add_gradient_reversal, gr_clone_returned_alone),
     (L.check_add_gradient_reversal, gr_times_one),
+    (L.check_add_gradient_reversal, gr_global_pre_hook_for_the_module),
     (L.check_first_nonfinite, fn_record_all_then_first),
     (L.check_first_nonfinite, fn_stop_at_the_first),
     (L.check_first_nonfinite, fn_one_global_hook),
@@ -1047,7 +1061,7 @@ WRONG = [
     (L.check_capture_activations, capture_without_detach, r"still requires grad.*output.detach\(\)"),
     (L.check_capture_activations, capture_late_binding, "only the key 'head'.*name=name"),
     (L.check_capture_activations, capture_inputs, "is the module's input.*store output"),
-    (L.check_capture_activations, capture_input_tuples, "is a tuple: store the hook's output"),
+    (L.check_capture_activations, capture_input_tuples, "is a tuple that holds the module's input.*store output"),
     (L.check_capture_activations, capture_by_index, r"returned the keys \[0, 1, 2\]"),
     (L.check_capture_activations, capture_in_eval_mode, "left the model in eval mode; it was in training mode"),
     (L.check_capture_activations, lambda m, x, n: list(L.capture_activations(m, x, n).values()), "returned a list, expected a dict"),
@@ -1575,7 +1589,38 @@ def cs_new_leaf_between_segments(blocks, x, size):
     return x
 
 
+def capture_a_list_per_name(model, x, names):
+    return _capture(model, x, names, store=lambda args, output: [output.detach()])
+
+
+def lgn_grad_with_respect_to_x(model, x, y, loss_fn, names):
+    return _lgn(model, x, y, loss_fn, names, output_norm, backward=lambda loss: torch.autograd.grad(loss, x))
+
+
+def lgn_summed_loss(model, x, y, loss_fn, names):
+    return _lgn(model, x, y, loss_fn, names, output_norm,
+                backward=lambda loss: torch.autograd.grad(loss * len(x), [p for p in model.parameters() if p.requires_grad]))
+
+
+def gr_half_strength(module, strength):
+    return _gr(module, strength, scale=lambda lam: -lam / 2)
+
+
+def fn_sum_is_finite(model, x):
+    return _fn(model, x, test=lambda o: any(not t.sum().isfinite() for t in L.tensors_in(o)))
+
+
+def mem_opposite_sign(phases):
+    return _mem(phases, convert=lambda v: -v)
+
+
 FOURTH_SET = [
+    (L.check_capture_activations, capture_a_list_per_name, r"\['stem'\] is a list that holds the output: store the output itself"),
+    (L.check_layer_grad_norms, lgn_grad_with_respect_to_x, "does not require grad: no parameter of this model is frozen, and the data x needs no gradient"),
+    (L.check_layer_grad_norms, lgn_summed_loss, r"every norm is 6 times the expected one \(the batch size\).*the loss was summed"),
+    (L.check_add_gradient_reversal, gr_half_strength, "multiplied by -0.15 in the step with strength.. = 0.3 and by -0.4"),
+    (L.check_first_nonfinite, fn_sum_is_finite, "returned 'split', expected None.*whose sum overflows to inf"),
+    (L.check_memory_by_phase, mem_opposite_sign, "each change with the opposite sign"),
     (L.check_capture_activations, capture_with_self_removing_hooks, r"let the model's ModelError through and left hooks on \['head'\]"),
     (L.check_capture_activations, capture_leaves_only, r"has no entry for 'block', '' \(the model itself\): exactly the names of modules that have children"),
     (L.check_capture_activations, capture_first_sample, r"\['stem'\] is the first sample's output only \(output\[0\]\)"),
