@@ -200,9 +200,14 @@ def _expect_no_hooks(model: nn.Module, global_before: set[tuple[str, int]], what
     raise ExerciseFailed(f"{what} left hooks on {leaked}: they run on every later call; keep each handle that register_* returns and call handle.remove()")
 
 
-def _callers_hook(model: nn.Module) -> set[tuple[int, str, int]]:
-    """Put a hook of the caller's own on the model (a forward hook that only looks); return the model's hook keys with it."""
-    model.register_forward_hook(lambda module, args, output: None)
+def _callers_hook(model: nn.Module, seen: list[int] | None = None) -> set[tuple[int, str, int]]:
+    """Put a hook of the caller's own on the model (a forward hook that only looks); return the model's hook keys with it.
+    Each time it runs it notes in `seen` how many other forward hooks, the global ones included, the model has then."""
+    def look(module, args, output):
+        if seen is not None:
+            seen.append(len(module._forward_hooks) - 1 + len(module_globals._global_forward_hooks))
+
+    model.register_forward_hook(look)
     return _hook_keys(model)
 
 
@@ -420,6 +425,7 @@ def check_capture_activations(fn) -> None:
     for batch, names, training in ((5, ["stem", "block.1", "head"], True), (1, ["act", "block", ""], False),
                                    (3, ["head", "block.0", "stem"], True)):
         model.train(training)
+        model.block[0].requires_grad_(batch != 3)  # a frozen layer in the last case: it stays frozen
         x = torch.randn(batch, 6, generator=g)
         x_before = x.clone()
         shown = f"model, tensor of shape {tuple(x.shape)}, {names}"
@@ -536,6 +542,7 @@ NORM_MIX_UPS = {
     "the mean of the per-sample norms, not the norm of the whole gradient": lambda g: g.flatten(1).norm(dim=1).mean(),
     "the sum of the per-sample norms, not the norm of the whole gradient": lambda g: g.flatten(1).norm(dim=1).sum(),
     "the norm divided by the batch size: the L2 norm of the whole gradient is wanted, as it is": lambda g: g.norm() / g.shape[0],
+    "the norm divided by the number of elements: the L2 norm of the whole gradient is wanted, as it is": lambda g: g.norm() / g.numel(),
     "the norm of the first sample's gradient only, not of the whole batch's": lambda g: g[0].norm(),
     "the spectral norm (the largest singular value, ord=2 of a matrix), not the L2 norm of all elements":
         lambda g: torch.linalg.matrix_norm(g.flatten(1), ord=2),
@@ -1242,8 +1249,9 @@ NONFINITE_RULES = [
 ]
 
 
-def _nonfinite_fault(fn: Callable) -> str:
-    """Run the learner's function on the probes; name the usual mistake whose answers its answers fit, else ''."""
+def _nonfinite_fault(fn: Callable, root_hooked: bool = False) -> str:
+    """Run the learner's function on the probes; name the usual mistake whose answers its answers fit, else ''. `root_hooked`:
+    the learner's function put a hook on the model itself (seen on the check's own model)."""
     x = torch.randn(2, 3, generator=torch.Generator().manual_seed(24))
     global_before, answers, culprits, lasts = _global_hooks(), {}, {}, {}
     try:
@@ -1257,6 +1265,10 @@ def _nonfinite_fault(fn: Callable) -> str:
     finally:
         for d, key in _global_hooks() - global_before:
             getattr(module_globals, d).pop(key, None)
+    root = "the model itself"
+    if root_hooked and answers[root] is None and all(answers[k] == culprits[k] for k in culprits if k != root):
+        return ("a hook of yours was on the model itself, and every other culprit was found, but not '': the name of the model itself "
+                "is a false value, so `name or None` or `if not name:` turns it into None; test `is None`")
     if answers != culprits and all(answers[k] == lasts[k] for k in culprits if culprits[k] is not None):
         return ("on every model it answered the name of the last module in named_modules(), whatever the culprit: each hook read the "
                 "loop variable when it ran, and saw its last value; bind the name when you define each hook (name=name, or "
@@ -1273,7 +1285,8 @@ def check_first_nonfinite(fn) -> None:
         order = [name for name, _ in model.named_modules()]
         run = _outputs_in_run_order(model, x)
         expected = next((n for n, nan, inf, _, _ in run if nan or inf), None)
-        x_before, global_before, state, kept = x.clone(), _global_hooks(), _model_state(model), _callers_hook(model)
+        root_hooks: list[int] = []
+        x_before, global_before, state, kept = x.clone(), _global_hooks(), _model_state(model), _callers_hook(model, root_hooks)
         shown = f"{label}, tensor of shape {tuple(x.shape)}"
         what = f"first_nonfinite({shown})"
         model.recount()
@@ -1300,7 +1313,7 @@ def check_first_nonfinite(fn) -> None:
                 f"{what} returned {got!r}, but its sub-module {name} produced the non-finite value first: "
                 "a sub-module finishes, and its forward hook runs, before its parent's"
             )
-        fault = _nonfinite_fault(fn)
+        fault = _nonfinite_fault(fn, root_hooked=any(root_hooks))
         if fault:
             raise ExerciseFailed(f"{what} returned {got!r}, expected {name}: {fault}")
         calls = [(n, nan or inf) for n, nan, inf, _, _ in run if n == got]
@@ -1339,37 +1352,40 @@ def check_first_nonfinite(fn) -> None:
 # memory_by_phase
 
 @contextlib.contextmanager
-def _watching_profilers(regions: list[str] | None = None, opened: list[str] | None = None) -> Iterator[list[bool]]:
-    """Note the profile_memory flag of every profiler started meanwhile: torch.profiler.profile and
-    torch.autograd.profiler.profile both start through torch.autograd.profiler.profile._start_trace. Keep `regions`, the
-    names of the record_function regions open at each moment (torch.profiler.record_function is the same class), and `opened`,
-    every region opened."""
-    started: list[bool] = []
-    regions = regions if regions is not None else []
-    opened = opened if opened is not None else []
-    rf = torch.autograd.profiler.record_function
-    original, enter, leave = torch.autograd.profiler.profile._start_trace, rf.__enter__, rf.__exit__
+def _watching_profilers(log: "_Phases") -> Iterator[None]:
+    """Meanwhile, note in `log`: the profile_memory flag of every profiler started (torch.profiler.profile and
+    torch.autograd.profiler.profile both start through torch.autograd.profiler.profile._start_trace); the record_function
+    regions open at each moment and every one opened (torch.profiler.record_function is the same class); and whether a
+    profile's events were read (key_averages(), events()) while a profiler was still running."""
+    rf, autograd_profile = torch.autograd.profiler.record_function, torch.autograd.profiler.profile
+    start_trace, ensure_events, enter, leave = (autograd_profile._start_trace, autograd_profile._ensure_function_events,
+                                                rf.__enter__, rf.__exit__)
 
     def start(self):
-        started.append(bool(self.profile_memory))
-        return original(self)
+        log.started.append(bool(self.profile_memory))
+        return start_trace(self)
+
+    def read(self):
+        log.early_reads.append(_profiler_running())
+        return ensure_events(self)
 
     def open_region(self):
-        regions.append(str(self.name))
-        opened.append(str(self.name))
+        log.open_regions.append(str(self.name))
+        log.opened_regions.append(str(self.name))
         return enter(self)
 
     def close_region(self, *exc):
+        regions = log.open_regions
         if str(self.name) in regions:
             del regions[len(regions) - 1 - regions[::-1].index(str(self.name))]
         return leave(self, *exc)
 
-    torch.autograd.profiler.profile._start_trace = start
+    autograd_profile._start_trace, autograd_profile._ensure_function_events = start, read
     rf.__enter__, rf.__exit__ = open_region, close_region
     try:
-        yield started
+        yield
     finally:
-        torch.autograd.profiler.profile._start_trace = original
+        autograd_profile._start_trace, autograd_profile._ensure_function_events = start_trace, ensure_events
         rf.__enter__, rf.__exit__ = enter, leave
 
 
@@ -1385,6 +1401,7 @@ class _Phases:
         self.started = started if started is not None else []  # filled by _watching_profilers
         self.open_regions: list[str] = []  # likewise
         self.opened_regions: list[str] = []  # likewise
+        self.early_reads: list[bool] = []  # likewise: per read of a profile's events, whether a profiler was running
         self.inside: list[tuple[str, ...]] = []  # the regions open at each call
         self.steps = steps
 
@@ -1528,6 +1545,10 @@ def _memory_mix_ups(steps: Callable[[], dict], names: list[str], expected: dict[
     }
 
 
+EARLY_READ = ("read a profile's events (key_averages(), events()) while the profiler was still running, inside its `with` block: "
+              "they are complete only once it has stopped; read them after the block")
+
+
 @exercise("memory_by_phase")
 def check_memory_by_phase(fn) -> None:
     quiet_profiler()
@@ -1541,11 +1562,15 @@ def check_memory_by_phase(fn) -> None:
         phases = hidden.phases()
         given = dict(phases)
         try:
-            with _watching_profilers(hidden.open_regions, hidden.opened_regions) as started:
-                hidden.started = started
-                got = call(fn, phases, shown=f"{label}: {names}", hints={
-                    "element 0 of tensors does not require grad": "a phase's backward found no graph: the phases ran with gradients "
-                                                                  "off (torch.no_grad() or inference_mode); run them as they are"})
+            with _watching_profilers(hidden):
+                try:
+                    got = call(fn, phases, shown=f"{label}: {names}", hints={
+                        "element 0 of tensors does not require grad": "a phase's backward found no graph: the phases ran with "
+                                                                      "gradients off (torch.no_grad() or inference_mode); run them as they are"})
+                except ExerciseFailed as err:
+                    if any(hidden.early_reads):
+                        raise ExerciseFailed(f"{err.message}; it {EARLY_READ}") from None
+                    raise
         finally:
             left_on = _profiler_running()
             if left_on:
@@ -1589,6 +1614,8 @@ def check_memory_by_phase(fn) -> None:
                 raise ExerciseFailed(f"{what} returned floats, expected Python ints (bytes)")
         if got == expected:
             continue
+        if any(hidden.early_reads):
+            raise ExerciseFailed(f"{what} {EARLY_READ}")
         if hidden.opened_regions:
             outside = [n for n, inside in zip(hidden.order, hidden.inside) if not inside]
             if outside:
@@ -1741,6 +1768,7 @@ def check_checkpoint_segments(fn) -> None:
         segments = [list(range(s, min(s + size, n))) for s in starts]
         torch.manual_seed(36)
         (expected, sizes), _ = saved_activation_bytes(lambda: _plain(blocks, x), blocks.parameters())
+        rng_after = torch.get_rng_state()  # where the plain forward pass left the random state: dropout drew its masks from it
         expected.sum().backward()
         expected_grads = {name: p.grad.clone() for name, p in blocks.named_parameters()}
         blocks.zero_grad(set_to_none=True)
@@ -1763,7 +1791,12 @@ def check_checkpoint_segments(fn) -> None:
                     raise ExerciseFailed(f"{what} returned None: did you forget to `return` the output?")
                 if not isinstance(got, torch.Tensor):
                     raise ExerciseFailed(f"{what} returned {a_type(got)}, expected the output tensor")
+                rng_now = torch.get_rng_state()
                 _judge_forward(watch, got, n, what)
+                if label.endswith("dropout") and not _same(got.detach(), expected.detach()) and not torch.equal(rng_now, rng_after):
+                    raise ExerciseFailed(f"the output of {what} differs from the plain pass, and your call left the random state elsewhere "
+                                         "than the plain pass does: it reseeded (torch.manual_seed) or drew random numbers of its own, so "
+                                         "dropout drew other masks; leave the random state alone")
                 expect_tensor(got, expected.detach(), what=f"the output of {what}", atol=1e-6)
                 _backward_through_checkpoints(got, what)
         finally:

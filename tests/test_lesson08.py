@@ -1614,7 +1614,49 @@ def mem_opposite_sign(phases):
     return _mem(phases, convert=lambda v: -v)
 
 
+def capture_freezing_for_the_call(model, x, names):
+    model.requires_grad_(False)  # no graph to detach from... then every parameter switched back on, the frozen ones too
+    try:
+        return _capture(model, x, names, store=lambda args, output: output)
+    finally:
+        model.requires_grad_(True)
+
+
+def lgn_per_element(model, x, y, loss_fn, names):
+    return _lgn(model, x, y, loss_fn, names, lambda norms, name: lambda m, gin, gout: norms.__setitem__(
+        name, (gout[0].norm() / gout[0].numel()).item()))
+
+
+def fn_name_or_none(model, x):
+    flagged = []
+    _fn(model, x, pick=lambda found, model: flagged.extend(found))
+    return (flagged[0] if flagged else None) or None  # '' is false: the model itself is lost
+
+
+def mem_read_inside_the_profile(phases):
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for name, phase in phases.items():
+            with record_function(name):
+                phase()
+        rows = {e.key: e.cpu_memory_usage for e in prof.key_averages()}
+    return {name: rows[name] for name in phases}
+
+
+def cs_reseeding_each_segment(blocks, x, size):
+    def run(group, h):
+        torch.manual_seed(0)
+        return _run_group(group, h)
+    for start in range(0, len(blocks), size):
+        x = checkpoint(functools.partial(run, list(blocks)[start:start + size]), x, use_reentrant=False)
+    return x
+
+
 FOURTH_SET = [
+    (L.check_capture_activations, capture_freezing_for_the_call, "switched requires_grad on for block.0.weight, which was frozen"),
+    (L.check_layer_grad_norms, lgn_per_element, "the norm divided by the number of elements"),
+    (L.check_first_nonfinite, fn_name_or_none, r"returned None, expected '' \(the model itself\): a hook of yours was on the model itself.*is None"),
+    (L.check_memory_by_phase, mem_read_inside_the_profile, "while the profiler was still running, inside its `with` block"),
+    (L.check_checkpoint_segments, cs_reseeding_each_segment, "reseeded .torch.manual_seed. or drew random numbers of its own"),
     (L.check_capture_activations, capture_a_list_per_name, r"\['stem'\] is a list that holds the output: store the output itself"),
     (L.check_layer_grad_norms, lgn_grad_with_respect_to_x, "does not require grad: no parameter of this model is frozen, and the data x needs no gradient"),
     (L.check_layer_grad_norms, lgn_summed_loss, r"every norm is 6 times the expected one \(the batch size\).*the loss was summed"),
