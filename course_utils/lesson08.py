@@ -200,9 +200,14 @@ def _expect_no_hooks(model: nn.Module, global_before: set[tuple[str, int]], what
     raise ExerciseFailed(f"{what} left hooks on {leaked}: they run on every later call; keep each handle that register_* returns and call handle.remove()")
 
 
-def _callers_hook(model: nn.Module) -> set[tuple[int, str, int]]:
-    """Put a hook of the caller's own on the model (a forward hook that only looks); return the model's hook keys with it."""
-    model.register_forward_hook(lambda module, args, output: None)
+def _callers_hook(model: nn.Module, seen: list[int] | None = None) -> set[tuple[int, str, int]]:
+    """Put a hook of the caller's own on the model (a forward hook that only looks); return the model's hook keys with it.
+    Each time it runs it notes in `seen` how many other forward hooks, the global ones included, the model has then."""
+    def look(module, args, output):
+        if seen is not None:
+            seen.append(len(module._forward_hooks) - 1 + len(module_globals._global_forward_hooks))
+
+    model.register_forward_hook(look)
     return _hook_keys(model)
 
 
@@ -379,8 +384,9 @@ def _inputs_and_outputs(model: nn.Module, x: torch.Tensor, names: list[str]) -> 
     return inputs, outputs
 
 
-def _expect_names(got: Any, names: list[str], what: str, returned_what: str, hook_args: str) -> dict:
-    """A dict with exactly the names a hook-registering answer was given; the late-binding closure and nested names named."""
+def _expect_names(got: Any, names: list[str], what: str, returned_what: str, hook_args: str, model: nn.Module | None = None) -> dict:
+    """A dict with exactly the names a hook-registering answer was given; the late-binding closure, nested names and the
+    modules that have children named."""
     got = _expect_dict(got, what, returned_what)
     if len(got) == 1 and len(names) > 1 and next(iter(got)) == names[-1]:
         raise ExerciseFailed(
@@ -394,6 +400,13 @@ def _expect_names(got: Any, names: list[str], what: str, returned_what: str, hoo
     if missing == [""] and not extra:
         raise ExerciseFailed(f"{what} has no entry for '' (the model itself): named_modules() lists the model first, with the name ''; "
                              "its own forward hook runs only when you call model(x)")
+    if model is not None and missing and not extra:
+        modules = dict(model.named_modules())
+        parents = {n for n in names if n in modules and next(modules[n].children(), None) is not None}
+        if set(missing) == parents:
+            shown = ", ".join("'' (the model itself)" if n == "" else repr(n) for n in missing)
+            raise ExerciseFailed(f"{what} has no entry for {shown}: exactly the names of modules that have children are missing; "
+                                 "every name you were given counts, containers and the model itself too")
     if set(got) != set(names):
         raise ExerciseFailed(f"{what} returned the keys {sorted(got, key=str)}, expected {sorted(names)} (the names you were given)")
     return got
@@ -412,6 +425,7 @@ def check_capture_activations(fn) -> None:
     for batch, names, training in ((5, ["stem", "block.1", "head"], True), (1, ["act", "block", ""], False),
                                    (3, ["head", "block.0", "stem"], True)):
         model.train(training)
+        model.block[0].requires_grad_(batch != 3)  # a frozen layer in the last case: it stays frozen
         x = torch.randn(batch, 6, generator=g)
         x_before = x.clone()
         shown = f"model, tensor of shape {tuple(x.shape)}, {names}"
@@ -430,11 +444,17 @@ def check_capture_activations(fn) -> None:
         _expect_one_run(model, what, x)
         _expect_tensor_unchanged(x_before, False, x, what, "x")
         _expect_model_unchanged(model, state, what, probe=False)
-        got = _expect_names(got, names, what, "activation", "module, args, output")
+        got = _expect_names(got, names, what, "activation", "module, args, output", model)
         for name in names:
             value = got[name]
             if isinstance(value, (tuple, list)) and torch.is_tensor(value[0] if value else None):
-                raise ExerciseFailed(f"{what}[{name!r}] is a {type(value).__name__}: store the hook's output, a tensor (the inputs come as a tuple)")
+                if len(value) == 1 and _same(value[0].detach(), expected[name]):
+                    raise ExerciseFailed(f"{what}[{name!r}] is a {type(value).__name__} that holds the output: store the output itself, "
+                                         "one tensor per name")
+                if _same(value[0].detach(), inputs[name]):
+                    raise ExerciseFailed(f"{what}[{name!r}] is a {type(value).__name__} that holds the module's input: a forward hook is "
+                                         "called as hook(module, args, output), and args is the tuple of inputs; store output")
+                raise ExerciseFailed(f"{what}[{name!r}] is a {type(value).__name__}, expected a tensor (the sub-module's output)")
             if not isinstance(value, torch.Tensor):
                 raise ExerciseFailed(f"{what}[{name!r}] is {a_type(value)}, expected a tensor (the sub-module's output)")
             if value.requires_grad:
@@ -443,6 +463,9 @@ def check_capture_activations(fn) -> None:
                 )
             if _same(value, inputs[name]) and not _same(inputs[name], expected[name]):
                 raise ExerciseFailed(f"{what}[{name!r}] is the module's input: a forward hook is called as hook(module, args, output); store output")
+            if value.ndim == expected[name].ndim - 1 and expected[name].shape[0] > 1 and _same(value, expected[name][0]):
+                raise ExerciseFailed(f"{what}[{name!r}] is the first sample's output only (output[0]), of shape {tuple(value.shape)}: "
+                                     f"store the whole batch's output, of shape {tuple(expected[name].shape)}")
             other = next((n for n, out in outputs_of_all.items() if n != name and _same(value, out) and not _same(out, expected[name])), None)
             if other is not None:
                 whose = "the model's" if other == "" else f"{other!r}'s"
@@ -450,7 +473,7 @@ def check_capture_activations(fn) -> None:
             expect_tensor(value, expected[name], what=f"{what}[{name!r}]", atol=1e-6)
 
     tripped = _probe(0, trip=True)
-    names = ["stem", "block"]
+    names = ["stem", "block", "head"]  # head never runs: its hook must go although it was never called
     x = torch.randn(4, 6, generator=g)
     _expect_model_error(fn, (tripped, x, names), f"capture_activations(a model whose forward raises, tensor of shape (4, 6), {names})",
                         tripped, _global_hooks())
@@ -519,6 +542,7 @@ NORM_MIX_UPS = {
     "the mean of the per-sample norms, not the norm of the whole gradient": lambda g: g.flatten(1).norm(dim=1).mean(),
     "the sum of the per-sample norms, not the norm of the whole gradient": lambda g: g.flatten(1).norm(dim=1).sum(),
     "the norm divided by the batch size: the L2 norm of the whole gradient is wanted, as it is": lambda g: g.norm() / g.shape[0],
+    "the norm divided by the number of elements: the L2 norm of the whole gradient is wanted, as it is": lambda g: g.norm() / g.numel(),
     "the norm of the first sample's gradient only, not of the whole batch's": lambda g: g[0].norm(),
     "the spectral norm (the largest singular value, ord=2 of a matrix), not the L2 norm of all elements":
         lambda g: torch.linalg.matrix_norm(g.flatten(1), ord=2),
@@ -526,10 +550,16 @@ NORM_MIX_UPS = {
 }
 
 
-def _hook_kinds(model: nn.Module, names: list[str]) -> tuple[dict[str, set], list]:
+def _hook_kinds(model: nn.Module, names: list[str]) -> tuple[dict[str, set], set[str], list]:
     """Watch which backward hooks are on each named module when its forward runs (the learner registers them before
-    the forward pass, where PyTorch sets them up): {name: {'full', 'old'}}; and the watching hooks' handles."""
-    modules, seen = dict(model.named_modules()), {n: set() for n in names}
+    the forward pass, where PyTorch sets them up): {name: {'full', 'old'}}; the names whose output a gradient reached
+    during the call (filled by the backward pass); and the watching hooks' handles."""
+    modules, seen, reached = dict(model.named_modules()), {n: set() for n in names}, set()
+
+    def mark(module, args, output, name):  # returns None: only looks
+        for t in tensors_in(output):
+            if t.requires_grad:
+                t.register_hook(lambda grad, name=name: reached.add(name))
 
     def look(module, args, name):
         full_global = bool(module_globals._global_backward_hooks) and module_globals._global_is_full_backward_hook
@@ -541,7 +571,8 @@ def _hook_kinds(model: nn.Module, names: list[str]) -> tuple[dict[str, set], lis
             seen[name].add("old")
 
     handles = [modules[n].register_forward_pre_hook(functools.partial(look, name=n)) for n in names]
-    return seen, handles
+    handles += [modules[n].register_forward_hook(functools.partial(mark, name=n)) for n in names]
+    return seen, reached, handles
 
 
 @exercise("layer_grad_norms")
@@ -578,12 +609,16 @@ def check_layer_grad_norms(fn) -> None:
         expected = {n: grad.norm().item() for n, grad in out_grads.items()}
         x_before, y_before, state = x.clone(), y.clone(), _model_state(model)
         global_before = _global_hooks()
-        kinds, watchers = _hook_kinds(model, names)
+        kinds, reached, watchers = _hook_kinds(model, names)
         model.recount()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the first layer's input needs no gradient: its full backward hook warns
-                got = call(fn, model, x, y, loss_fn, list(names), shown=shown, hints=hints)
+                frozen = any(not p.requires_grad for p in model.parameters())
+                got = call(fn, model, x, y, loss_fn, list(names), shown=shown, hints={**hints, **({} if frozen else {
+                    "One of the differentiated Tensors does not require grad": "a tensor you differentiated with respect to does not "
+                    "require grad: no parameter of this model is frozen, and the data x needs no gradient; differentiate with respect "
+                    "to the trainable parameters"})})
         finally:
             for handle in watchers:
                 handle.remove()
@@ -605,10 +640,15 @@ def check_layer_grad_norms(fn) -> None:
         if unhooked:
             raise ExerciseFailed(f"{what} ran the forward pass with no full backward hook on {unhooked}: the prompt asks for "
                                  "module.register_full_backward_hook, registered before the forward pass")
-        got = _expect_names(got, names, what, "gradient norm", "module, grad_input, grad_output")
+        if isinstance(got, dict) and not any(n in got for n in names) and not reached:
+            raise ExerciseFailed(f"{what} returned {'an empty dict' if not got else f'the keys {sorted(got, key=str)[:6]}'}: no gradient "
+                                 "reached the layers' outputs during the call, so no backward hook ran; run the loss backwards through "
+                                 "the layers (with respect to tensors before them, such as the trainable parameters)")
+        got = _expect_names(got, names, what, "gradient norm", "module, grad_input, grad_output", model)
         weight_values = {n: m.weight.detach().norm().item() for n, m in model.named_modules()
                          if n in names and isinstance(getattr(m, "weight", None), torch.Tensor)}
-        _expect_norms(got, names, expected, out_grads, grad_inputs, weight_norms, weight_values, what)
+        _expect_norms(got, names, expected, out_grads, grad_inputs, weight_norms, weight_values, what,
+                      {y.numel(): "the number of target elements", len(x): "the batch size"})  # the batch size wins a tie
 
     tripped = _tower(5, trip=True)
     names = ["stem", "body"]
@@ -623,22 +663,35 @@ def _close(a: float, b: float) -> bool:
 
 
 def _expect_norms(got: dict, names: list[str], expected: dict, out_grads: dict, grad_inputs: dict, weight_norms: dict,
-                  weight_values: dict, what: str) -> None:
-    """Each value a Python float equal to the norm at the layer's output; a value that is a known other quantity named."""
+                  weight_values: dict, what: str, counts: dict[int, str]) -> None:
+    """Each value a Python float equal to the norm at the layer's output; a value that is a known other quantity named. `counts`:
+    the sizes a loss summed instead of averaged would multiply every norm by, with their names."""
     numbers = {n: v for n, v in got.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    # grad_input instead of grad_output: None exactly where the input needs no gradient, its norm elsewhere
-    if any(got[n] is None for n in names) and all(
-            (got[n] is None) == (grad_inputs[n] is None) and (got[n] is None or (n in numbers and _close(numbers[n], grad_inputs[n])))
-            for n in names):
-        first = next(n for n in names if got[n] is None)
-        raise ExerciseFailed(f"{what}[{first!r}] is None, and the other values are the norms at the layers' inputs: you read grad_input, "
-                             "which holds None for an input that needs no gradient (the data); the gradient at the output is grad_output[0]")
+
+    def stand_in(v: Any) -> bool:  # what a learner writes where grad_input holds None: None itself, 0, or NaN
+        return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and (v == 0 or math.isnan(v)))
+
+    # grad_input instead of grad_output: None (or a stand-in) exactly where the input needs no gradient, its norm elsewhere
+    if any(grad_inputs[n] is None for n in names) and any(grad_inputs[n] is not None and not _close(grad_inputs[n], expected[n])
+                                                          for n in names) and all(
+            stand_in(got[n]) if grad_inputs[n] is None else (n in numbers and _close(numbers[n], grad_inputs[n])) for n in names):
+        first = next(n for n in names if grad_inputs[n] is None)
+        raise ExerciseFailed(f"{what}[{first!r}] is {got[first]!r}, and the other values are the norms at the layers' inputs: you read "
+                             "grad_input, which holds None for an input that needs no gradient (the data); the gradient at the output is "
+                             "grad_output[0]")
     for name in names:
         value = got[name]
         if isinstance(value, torch.Tensor):
             raise ExerciseFailed(f"{what}[{name!r}] is a tensor, expected a Python float: call .item() on the norm")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ExerciseFailed(f"{what}[{name!r}] is {a_type(value)}, expected a Python float")
+    ratios = [got[n] / expected[n] for n in names if expected[n] > 0]
+    if ratios and all(math.isclose(r, ratios[0], rel_tol=1e-4) for r in ratios):
+        scale = next(((count, label) for count, label in counts.items() if count > 1 and math.isclose(ratios[0], count, rel_tol=1e-4)), None)
+        if scale:
+            raise ExerciseFailed(f"{what}: every norm is {scale[0]} times the expected one ({scale[1]}), e.g. [{names[0]!r}] is "
+                                 f"{got[names[0]]:.6g}, expected {expected[names[0]]:.6g}: the loss was summed where loss_fn averages "
+                                 "(reduction='sum', or the mean multiplied by a count); use loss_fn(model(x), y) as it is")
     for name in names:
         value, want = got[name], expected[name]
         if _close(value, want):
@@ -746,8 +799,11 @@ class _Adversarial:
         input ('branch', the exercise), on the features for every use ('input'), or at the classifier's output ('output').
         The module's own hooks are off meanwhile."""
         saved = {d: dict(getattr(self.domain, d)) for d in HOOK_DICTS}
+        saved_global = {d: dict(getattr(module_globals, d)) for d in GLOBAL_HOOK_DICTS if hasattr(module_globals, d)}
         for d in HOOK_DICTS:
             getattr(self.domain, d).clear()
+        for d in saved_global:
+            getattr(module_globals, d).clear()
         try:
             total = 0
             for data, factor in zip(self.data, factors):
@@ -762,6 +818,8 @@ class _Adversarial:
         finally:
             for d, hooks in saved.items():
                 getattr(self.domain, d).update(hooks)
+            for d, hooks in saved_global.items():
+                getattr(module_globals, d).update(hooks)
 
 
 def _same_grads(a: dict, b: dict) -> bool:
@@ -776,29 +834,54 @@ def _reversal_fault(world: _Adversarial, got: dict, lams: tuple[float, float], r
         return ("the module's offset, which its first operation adds to the input, learned from the reversed gradient too: your hook "
                 "modified the gradient tensor it received in place, and autograd hands that tensor to the offset as well; "
                 "return a new one (-lam * grad)")
-    candidates = [
-        ((1.0, 1.0), "branch", "the gradient through the module came back unchanged: nothing was reversed"),
-        ((-lams[0], -lams[1]), "input", "the features' other use (the label head) got the reversed gradient too: a hook on the input "
-         "tensor itself sees its gradient summed over every use; hook a tensor of the module's own branch instead (x.view_as(x))"),
-        ((-lams[0], -lams[1]), "output", "the module's own parameters learned from the reversed gradient: reverse the gradient at the "
-         "module's input (a forward pre-hook), not at its output"),
-        ((lams[0], lams[1]), "branch", "the gradient was multiplied by +strength(), not -strength()"),
-        ((-1.0, -1.0), "branch", "the gradient was multiplied by -1 whatever strength() returned"),
-        ((-registered, -registered), "branch", f"both steps used the strength at the time add_gradient_reversal was called "
-         f"({registered}): call strength() at each forward call"),
-        ((-late, -late), "branch", f"both steps used the strength at the time backward ran ({late}), not the one of the forward call "
-         "that built the graph: read strength() in the forward pass, and keep that value for its hook"),
-        ((-lams[1], -lams[1]), "branch", f"both steps used the strength of the last forward call ({lams[1]}): give each forward "
-         "call's hook its own strength"),
-        ((-lams[0] ** 2, -lams[1] ** 2), "branch", "the gradient was multiplied by -strength() squared: the reversal was applied twice"),
-        ((-lams[0], -lams[0]), "branch", f"both steps used the strength of the first forward call ({lams[0]}): read strength() at "
-         "every forward call"),
-        ((-1 / lams[0], -1 / lams[1]), "branch", "the gradient was divided by strength(), not multiplied by it"),
-        ((0.0, 0.0), "branch", "the gradient from the module back into its input was zero: reverse it, do not stop it"),
-        ((-lams[0], 1.0), "branch", "only the first forward call's gradient was reversed: reverse it at every call"),
-        ((1 - lams[0], 1 - lams[1]), "branch", "the gradient was multiplied by 1 - strength(), not -strength()"),
+    places = [
+        ("branch", ""),
+        ("input", "the features' other use (the label head) got the reversed gradient too: a hook on the input tensor itself sees its "
+         "gradient summed over every use; hook a tensor of the module's own branch instead (x.view_as(x))"),
+        ("output", "the module's own parameters learned from the reversed gradient: reverse the gradient at the module's input "
+         "(a forward pre-hook), not at its output"),
     ]
-    return next((reason for factors, where, reason in candidates if _same_grads(got, world.simulate(factors, where))), "")
+    factors = [  # the right factors first: then only the place is wrong
+        ((-lams[0], -lams[1]), ""),
+        ((1.0, 1.0), "the gradient through the module came back unchanged: nothing was reversed"),
+        ((lams[0], lams[1]), "the gradient was multiplied by +strength(), not -strength()"),
+        ((-1.0, -1.0), "the gradient was multiplied by -1 whatever strength() returned"),
+        ((-registered, -registered), f"both steps used the strength at the time add_gradient_reversal was called ({registered}): "
+         "call strength() at each forward call"),
+        ((-late, -late), f"both steps used the strength at the time backward ran ({late}), not the one of the forward call that built "
+         "the graph: read strength() in the forward pass, and keep that value for its hook"),
+        ((-lams[1], -lams[1]), f"both steps used the strength of the last forward call ({lams[1]}): give each forward call's hook its "
+         "own strength"),
+        ((-lams[0] ** 2, -lams[1] ** 2), "the gradient was multiplied by -strength() squared: the reversal was applied twice"),
+        ((-lams[0], -lams[0]), f"both steps used the strength of the first forward call ({lams[0]}): read strength() at every forward call"),
+        ((-1 / lams[0], -1 / lams[1]), "the gradient was divided by strength(), not multiplied by it"),
+        ((0.0, 0.0), "the gradient from the module back into its input was zero: reverse it, do not stop it"),
+        ((-lams[0], 1.0), "only the first forward call's gradient was reversed: reverse it at every call"),
+        ((1 - lams[0], 1 - lams[1]), "the gradient was multiplied by 1 - strength(), not -strength()"),
+    ]
+    for scale, factor_fault in factors:
+        for place, place_fault in places:
+            if (place_fault or factor_fault) and not (place_fault and scale == (1.0, 1.0)) and \
+                    _same_grads(got, world.simulate(scale, place)):
+                return "; and ".join(fault for fault in (place_fault, factor_fault) if fault)
+    fitted = _fitted_factors(world, got)
+    if fitted is not None:
+        return (f"the gradient through the module was multiplied by {fitted[0]:.4g} in the step with strength() = {lams[0]} and by "
+                f"{fitted[1]:.4g} in the step with {lams[1]}; expected {-lams[0]:.4g} and {-lams[1]:.4g} (-strength())")
+    return ""
+
+
+def _fitted_factors(world: _Adversarial, got: dict) -> tuple[float, float] | None:
+    """The two factors by which the gradient through the module's branch was multiplied, when some pair explains every
+    gradient exactly (the gradients are linear in them), else None."""
+    if got["w"] is None:
+        return None
+    base = world.simulate((0.0, 0.0))
+    first, second = (world.simulate(f)["w"] - base["w"] for f in ((1.0, 0.0), (0.0, 1.0)))
+    basis = torch.stack([first.flatten(), second.flatten()], 1).double()
+    solution = torch.linalg.lstsq(basis, (got["w"] - base["w"]).flatten().double().unsqueeze(1)).solution.flatten()
+    factors = (solution[0].item(), solution[1].item())
+    return factors if all(math.isfinite(f) for f in factors) and _same_grads(got, world.simulate(factors)) else None
 
 
 @exercise("add_gradient_reversal")
@@ -830,21 +913,31 @@ def check_add_gradient_reversal(fn) -> None:
         _remove_hooks(domain, set())
 
 
-def _judge_reversal(world: _Adversarial, schedule: dict, hints: dict) -> None:
-    """Two forward passes with strength() at 0.3 and then 0.8, one backward after it moved to 1.7; then evaluation calls."""
-    domain, lams, late = world.domain, (0.3, 0.8), 1.7
-    total = 0
+def _reversed_steps(world: _Adversarial, schedule: dict, hints: dict, lams: tuple[float, float], late: float) -> dict:
+    """Two forward passes through the learner's hooked module with strength() at lams, one backward after it moved to late;
+    the gradients. The forward pass must leave the output and the caller's features as they were."""
+    domain, total = world.domain, 0
     for step, (data, lam) in enumerate(zip(world.data, lams), 1):
         schedule["lam"] = lam
         domain.rebuild()
         h = data @ world.w
-        out = call(domain, h, name="domain", shown=f"features of step {step}, strength() = {lam}", hints=hints, kind="module")
+        h_before = h.detach().clone()
+        shown = f"features of step {step}, strength() = {lam}"
+        out = call(domain, h, name="domain", shown=shown, hints=hints, kind="module")
+        _expect_tensor_unchanged(h_before, True, h, f"domain({shown})", "features")
         expect_tensor(out, world.plain_output(h), what=f"the domain classifier's output with the reversal on (the forward pass must "
                       "not change)", atol=1e-6)
         total = total + world.loss(h, out)
     schedule["lam"] = late
     _backward(total, "the domain classifier with the reversal on")
-    got = world.grads()
+    return world.grads()
+
+
+def _judge_reversal(world: _Adversarial, schedule: dict, hints: dict) -> None:
+    """Two forward passes with strength() at 0.3 and then 0.8, one backward after it moved to 1.7; the same from strength 0,
+    where DANN's schedule starts; then evaluation calls."""
+    domain, lams, late = world.domain, (0.3, 0.8), 1.7
+    got = _reversed_steps(world, schedule, hints, lams, late)
     if not _same_grads(got, world.simulate((-lams[0], -lams[1]))):
         fault = _reversal_fault(world, got, lams, registered=0.05, late=late)
         if fault:
@@ -855,11 +948,27 @@ def _judge_reversal(world: _Adversarial, schedule: dict, hints: dict) -> None:
             raise ExerciseFailed(f"after two steps with the reversal on, {wrong}.grad is None: the gradient no longer reaches it")
         expect_tensor(got[wrong], expected[wrong], what=f"the gradient of {wrong} after two steps with strength() = {lams[0]}, "
                       f"then {lams[1]}", rtol=1e-4, atol=1e-7)
+    start = (0.0, 0.5)  # -0 * grad is 0: at the schedule's start no gradient flows back from the module
+    got = _reversed_steps(world, schedule, hints, start, late)
+    expected = world.simulate((-start[0], -start[1]))
+    if not _same_grads(got, expected):
+        if _same_grads(got, world.simulate((1.0, -start[1]))):
+            raise ExerciseFailed(f"after two steps with strength() = {start[0]}, then {start[1]}: at strength() = 0 the gradient came back "
+                                 "unchanged; multiply it by -strength() at every strength, 0 included (then no gradient flows back from "
+                                 "the module)")
+        wrong = next(n for n in got if not _same_grads({n: got[n]}, {n: expected[n]}))
+        if got[wrong] is None:
+            raise ExerciseFailed(f"after two steps with strength() = {start[0]}, then {start[1]}, {wrong}.grad is None: the gradient no "
+                                 "longer reaches it")
+        expect_tensor(got[wrong], expected[wrong], what=f"the gradient of {wrong} after two steps with strength() = {start[0]}, "
+                      f"then {start[1]}", rtol=1e-4, atol=1e-7)
     for label, grad_mode, h in (("under torch.no_grad()", False, world.data[0] @ world.w),
                                 ("on features that need no gradient", True, world.data[1] @ world.w.detach())):
         domain.rebuild()
+        h_before, needs_grad = h.detach().clone(), h.requires_grad
         with torch.set_grad_enabled(grad_mode):
             out = call(domain, h, name="domain", shown=f"features, {label}", hints=hints, kind="module")
+        _expect_tensor_unchanged(h_before, needs_grad, h, f"domain(features, {label})", "features")
         expect_tensor(out, world.plain_output(h), what=f"the domain classifier's output {label}", atol=1e-6)
 
 
@@ -977,16 +1086,23 @@ def _nonfinite_cases() -> list[tuple[str, Callable[[], nn.Module], torch.Tensor]
     g = torch.Generator().manual_seed(21)
     small, large = torch.randn(4, 5, generator=g) * 0.1, torch.randn(4, 5, generator=g) * 300
 
-    def build(cls, seed):
+    def build(cls, seed, stale=False):
         def make():
             torch.manual_seed(seed)
-            return cls()
+            model = cls()
+            if stale:  # a gradient left from a training step: it must stay as it is
+                model.head.weight.grad = torch.full_like(model.head.weight, 0.5)
+            return model
         return make
 
     sequence = torch.randn(2, 3, 4, generator=g)
+    bad_batch = small.clone()
+    bad_batch[1, 2] = math.inf
     return [
         ("a model with finite outputs everywhere", build(_Ordered, 5), small),
-        ("a model whose exp overflows", build(_Ordered, 5), large),
+        ("a model whose exp overflows", build(_Ordered, 5, stale=True), large),
+        ("a model given a batch that holds an inf", build(_Ordered, 5), bad_batch),
+        ("a model that calls one layer twice", build(_Reused, 10), torch.randn(4, 3, generator=torch.Generator().manual_seed(25))),
         ("an LSTM model", build(_Recurrent, 6), sequence * 0.01),
         ("an LSTM model", build(_Recurrent, 6), sequence * 40),
         ("a model that takes a softmax by hand", build(_Softmax, 7), torch.randn(3, 3, generator=g) * 400),
@@ -1023,6 +1139,19 @@ class _Emit(nn.Module):
 
     def forward(self, x):
         return x + self.pattern
+
+
+class _Reused(_Counted):
+    """One Linear layer called twice, before and after a module that adds a partial inf: its first output is finite, its second is not."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(3, 3)
+        self.boom = _Emit([0.0, math.inf, 0.0])
+
+    def forward(self, x):
+        self.runs += 1
+        return self.shared(self.boom(self.shared(x)))
 
 
 class _Container(nn.Module):
@@ -1074,6 +1203,8 @@ def _probes() -> dict[str, tuple[nn.Module, str]]:
         infinite_bias.bias[1] = inf
     return {
         "partial inf": (nn.Sequential(nn.Linear(3, 3), _Emit([0.0, inf, 0.0]), nn.Tanh()), "1"),
+        "partial inf, two layers before the end": (nn.Sequential(nn.Linear(3, 3), _Emit([0.0, inf, 0.0]), nn.Linear(3, 3), nn.Tanh()), "1"),
+        "large finite values": (nn.Sequential(nn.Linear(3, 3), _Emit([3e38, 3e38, 0.0]), nn.Tanh()), None),  # finite; their sum is inf
         "partial -inf": (nn.Sequential(nn.Linear(3, 3), _Emit([0.0, -inf, 0.0]), nn.Tanh()), "1"),
         "partial NaN": (nn.Sequential(nn.Linear(3, 3), _Emit([0.0, nan, 0.0]), nn.Linear(3, 3)), "1"),
         "inf everywhere": (nn.Sequential(nn.Linear(3, 3), _Emit([inf, inf, inf]), nn.Tanh()), "1"),
@@ -1091,13 +1222,16 @@ NONFINITE_RULES = [
     (lambda a, ok: ok("partial NaN") and all(a[k] is None for k in ("partial inf", "partial -inf", "inf everywhere",
                                                                    "a layer with parameters")),
      "it tests for NaN only and misses inf: test with torch.isfinite, which catches NaN, inf and -inf"),
+    (lambda a, ok: a["large finite values"] == "1" and ok("partial inf") and ok("partial NaN"),
+     "it flags an output whose elements are all finite but whose sum overflows to inf: test the elements, t.isfinite().all(), "
+     "not their sum"),
     (lambda a, ok: a["partial -inf"] is None and ok("partial inf") and ok("partial NaN"),
      "it misses -inf: test with torch.isfinite, which catches NaN, inf and -inf"),
     (lambda a, ok: a["partial NaN"] is None and ok("partial inf") and ok("partial -inf"),
      "it misses NaN: test with torch.isfinite, which catches NaN, inf and -inf"),
     (lambda a, ok: a["partial inf"] is None and a["partial NaN"] == "2" and ok("inf everywhere"),
      "it flags an output only when every element is non-finite: flag it when any element is (not t.isfinite().all())"),
-    (lambda a, ok: all(a[k] == "2" for k in ("partial inf", "partial NaN", "inf everywhere")),
+    (lambda a, ok: all(a[k] == "2" for k in ("partial inf", "partial NaN", "inf everywhere", "partial inf, two layers before the end")),
      "it names the module after the culprit, whose input holds the non-finite value: test each module's output"),
     (lambda a, ok: ok("a layer with parameters") and a["partial inf"] is None and a["inf everywhere"] is None and a["partial NaN"] == "2",
      "it skips the modules without parameters of their own: every module counts"),
@@ -1115,13 +1249,14 @@ NONFINITE_RULES = [
 ]
 
 
-def _nonfinite_fault(fn: Callable) -> str:
-    """Run the learner's function on the probes; name the usual mistake whose answers its answers fit, else ''."""
+def _nonfinite_fault(fn: Callable, root_hooked: bool = False) -> str:
+    """Run the learner's function on the probes; name the usual mistake whose answers its answers fit, else ''. `root_hooked`:
+    the learner's function put a hook on the model itself (seen on the check's own model)."""
     x = torch.randn(2, 3, generator=torch.Generator().manual_seed(24))
-    global_before, answers, culprits = _global_hooks(), {}, {}
+    global_before, answers, culprits, lasts = _global_hooks(), {}, {}, {}
     try:
         for label, (model, culprit) in _probes().items():
-            culprits[label] = culprit
+            culprits[label], lasts[label] = culprit, list(model.named_modules())[-1][0]
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 answers[label] = fn(model, x)
@@ -1130,6 +1265,14 @@ def _nonfinite_fault(fn: Callable) -> str:
     finally:
         for d, key in _global_hooks() - global_before:
             getattr(module_globals, d).pop(key, None)
+    root = "the model itself"
+    if root_hooked and answers[root] is None and all(answers[k] == culprits[k] for k in culprits if k != root):
+        return ("a hook of yours was on the model itself, and every other culprit was found, but not '': the name of the model itself "
+                "is a false value, so `name or None` or `if not name:` turns it into None; test `is None`")
+    if answers != culprits and all(answers[k] == lasts[k] for k in culprits if culprits[k] is not None):
+        return ("on every model it answered the name of the last module in named_modules(), whatever the culprit: each hook read the "
+                "loop variable when it ran, and saw its last value; bind the name when you define each hook (name=name, or "
+                "functools.partial)")
     return next((fault for fits, fault in NONFINITE_RULES if fits(answers, lambda k: answers[k] == culprits[k])), "")
 
 
@@ -1142,7 +1285,8 @@ def check_first_nonfinite(fn) -> None:
         order = [name for name, _ in model.named_modules()]
         run = _outputs_in_run_order(model, x)
         expected = next((n for n, nan, inf, _, _ in run if nan or inf), None)
-        x_before, global_before, state, kept = x.clone(), _global_hooks(), _model_state(model), _callers_hook(model)
+        root_hooks: list[int] = []
+        x_before, global_before, state, kept = x.clone(), _global_hooks(), _model_state(model), _callers_hook(model, root_hooks)
         shown = f"{label}, tensor of shape {tuple(x.shape)}"
         what = f"first_nonfinite({shown})"
         model.recount()
@@ -1150,7 +1294,7 @@ def check_first_nonfinite(fn) -> None:
         _expect_no_hooks(model, global_before, what, kept=kept)
         _expect_one_run(model, what, x)
         _expect_tensor_unchanged(x_before, False, x, what, "x")
-        if any(p.grad is not None for p in model.parameters()):
+        if any(p.grad is not None and state["grads"][n] is None for n, p in model.named_parameters()):
             raise ExerciseFailed(f"{what} filled the parameters' .grad: finding a non-finite output needs the forward pass only")
         _expect_model_unchanged(model, state, what, probe=False)
         if isinstance(got, nn.Module):
@@ -1162,15 +1306,23 @@ def check_first_nonfinite(fn) -> None:
         flagged = [n for n, nan, inf, _, _ in run if nan or inf]
         name = repr(expected) if expected else "'' (the model itself)"
         if expected is None:
-            raise ExerciseFailed(f"{what} returned {got!r}, expected None: every module's output is finite")
+            fault = _nonfinite_fault(fn)
+            raise ExerciseFailed(f"{what} returned {got!r}, expected None: every module's output is finite" + (f"; {fault}" if fault else ""))
         if isinstance(got, str) and got in flagged and (got == "" or expected.startswith(got + ".")):
             raise ExerciseFailed(
                 f"{what} returned {got!r}, but its sub-module {name} produced the non-finite value first: "
                 "a sub-module finishes, and its forward hook runs, before its parent's"
             )
-        fault = _nonfinite_fault(fn)
+        fault = _nonfinite_fault(fn, root_hooked=any(root_hooks))
         if fault:
             raise ExerciseFailed(f"{what} returned {got!r}, expected {name}: {fault}")
+        calls = [(n, nan or inf) for n, nan, inf, _, _ in run if n == got]
+        if len(calls) > 1 and not calls[0][1] and any(bad for _, bad in calls):
+            raise ExerciseFailed(f"{what} returned {got!r}, which runs {len(calls)} times: its first output was finite, and {name} "
+                                 f"finished with a non-finite output before {got!r} made one; judge each output as it finishes, call by call")
+        if got is None and not x.isfinite().all():
+            raise ExerciseFailed(f"{what} returned None, expected {name}: x itself holds a non-finite value, and {name}, the first "
+                                 "module to finish, passed it on in its output; a non-finite input counts too")
         if got in flagged and got == min(flagged, key=order.index) and got != flagged[0]:
             raise ExerciseFailed(
                 f"{what} returned {got!r}, the first non-finite output in named_modules() order; {name} was the first to produce one "
@@ -1200,21 +1352,41 @@ def check_first_nonfinite(fn) -> None:
 # memory_by_phase
 
 @contextlib.contextmanager
-def _watching_profilers() -> Iterator[list[bool]]:
-    """Note the profile_memory flag of every profiler started meanwhile: torch.profiler.profile and
-    torch.autograd.profiler.profile both start through torch.autograd.profiler.profile._start_trace."""
-    started: list[bool] = []
-    original = torch.autograd.profiler.profile._start_trace
+def _watching_profilers(log: "_Phases") -> Iterator[None]:
+    """Meanwhile, note in `log`: the profile_memory flag of every profiler started (torch.profiler.profile and
+    torch.autograd.profiler.profile both start through torch.autograd.profiler.profile._start_trace); the record_function
+    regions open at each moment and every one opened (torch.profiler.record_function is the same class); and whether a
+    profile's events were read (key_averages(), events()) while a profiler was still running."""
+    rf, autograd_profile = torch.autograd.profiler.record_function, torch.autograd.profiler.profile
+    start_trace, ensure_events, enter, leave = (autograd_profile._start_trace, autograd_profile._ensure_function_events,
+                                                rf.__enter__, rf.__exit__)
 
     def start(self):
-        started.append(bool(self.profile_memory))
-        return original(self)
+        log.started.append(bool(self.profile_memory))
+        return start_trace(self)
 
-    torch.autograd.profiler.profile._start_trace = start
+    def read(self):
+        log.early_reads.append(_profiler_running())
+        return ensure_events(self)
+
+    def open_region(self):
+        log.open_regions.append(str(self.name))
+        log.opened_regions.append(str(self.name))
+        return enter(self)
+
+    def close_region(self, *exc):
+        regions = log.open_regions
+        if str(self.name) in regions:
+            del regions[len(regions) - 1 - regions[::-1].index(str(self.name))]
+        return leave(self, *exc)
+
+    autograd_profile._start_trace, autograd_profile._ensure_function_events = start, read
+    rf.__enter__, rf.__exit__ = open_region, close_region
     try:
-        yield started
+        yield
     finally:
-        torch.autograd.profiler.profile._start_trace = original
+        autograd_profile._start_trace, autograd_profile._ensure_function_events = start_trace, ensure_events
+        rf.__enter__, rf.__exit__ = enter, leave
 
 
 class _Phases:
@@ -1227,6 +1399,10 @@ class _Phases:
         self.profiling: list[bool] = []
         self.memory: list[bool | None] = []
         self.started = started if started is not None else []  # filled by _watching_profilers
+        self.open_regions: list[str] = []  # likewise
+        self.opened_regions: list[str] = []  # likewise
+        self.early_reads: list[bool] = []  # likewise: per read of a profile's events, whether a profiler was running
+        self.inside: list[tuple[str, ...]] = []  # the regions open at each call
         self.steps = steps
 
     def phases(self) -> dict[str, Callable[[], None]]:
@@ -1234,6 +1410,7 @@ class _Phases:
             self.order.append(name)
             self.profiling.append(_profiler_running())
             self.memory.append(self.started[-1] if self.started else None)
+            self.inside.append(tuple(self.open_regions))
             self.steps[name](self.state)
         return {name: functools.partial(phase, name) for name in self.steps}
 
@@ -1360,10 +1537,16 @@ def _memory_mix_ups(steps: Callable[[], dict], names: list[str], expected: dict[
         "the operators' own allocations only: a free that happens outside every operator (a tensor's last reference dropped) "
         "has a row of its own, '[memory]', which counts too": operators,
         "negative numbers clipped to 0: a phase that frees more than it allocates leaves a negative number": {n: max(0, v) for n, v in expected.items()},
+        "each change without its sign: a phase that frees more than it allocates leaves a negative number": {n: abs(v) for n, v in expected.items()},
+        "each change with the opposite sign: allocations minus frees is positive for a phase that allocates": {n: -v for n, v in expected.items()},
         "KiB: return the bytes themselves": {n: v // 1024 for n, v in expected.items()},
         "KiB: return the bytes themselves ": {n: round(v / 1024) for n, v in expected.items()},
         "MiB: return the bytes themselves": {n: round(v / 2**20) for n, v in expected.items()},
     }
+
+
+EARLY_READ = ("read a profile's events (key_averages(), events()) while the profiler was still running, inside its `with` block: "
+              "they are complete only once it has stopped; read them after the block")
 
 
 @exercise("memory_by_phase")
@@ -1379,11 +1562,15 @@ def check_memory_by_phase(fn) -> None:
         phases = hidden.phases()
         given = dict(phases)
         try:
-            with _watching_profilers() as started:
-                hidden.started = started
-                got = call(fn, phases, shown=f"{label}: {names}", hints={
-                    "element 0 of tensors does not require grad": "a phase's backward found no graph: the phases ran with gradients "
-                                                                  "off (torch.no_grad() or inference_mode); run them as they are"})
+            with _watching_profilers(hidden):
+                try:
+                    got = call(fn, phases, shown=f"{label}: {names}", hints={
+                        "element 0 of tensors does not require grad": "a phase's backward found no graph: the phases ran with "
+                                                                      "gradients off (torch.no_grad() or inference_mode); run them as they are"})
+                except ExerciseFailed as err:
+                    if any(hidden.early_reads):
+                        raise ExerciseFailed(f"{err.message}; it {EARLY_READ}") from None
+                    raise
         finally:
             left_on = _profiler_running()
             if left_on:
@@ -1409,6 +1596,10 @@ def check_memory_by_phase(fn) -> None:
             extra = sorted(set(got) - set(names), key=str)
             if extra and set(names) <= set(got):
                 raise ExerciseFailed(f"{what} returned {len(got)} keys, {extra[:3]} among them; expected only the phases' names, {names}")
+            missing = [n for n in names if n not in got]
+            if not extra and all(expected[n] == 0 for n in missing):
+                raise ExerciseFailed(f"{what} has no entry for {missing}, the phase{'s' if len(missing) > 1 else ''} that left 0 bytes: "
+                                     "return every phase, 0 included")
             raise ExerciseFailed(f"{what} returned the keys {sorted(got, key=str)[:8]}, expected the phases' names, {names}")
         for name in names:
             value = got[name]
@@ -1423,6 +1614,17 @@ def check_memory_by_phase(fn) -> None:
                 raise ExerciseFailed(f"{what} returned floats, expected Python ints (bytes)")
         if got == expected:
             continue
+        if any(hidden.early_reads):
+            raise ExerciseFailed(f"{what} {EARLY_READ}")
+        if hidden.opened_regions:
+            outside = [n for n, inside in zip(hidden.order, hidden.inside) if not inside]
+            if outside:
+                raise ExerciseFailed(f"{what} ran the phase{'s' if len(outside) > 1 else ''} {outside} while no record_function region was "
+                                     "open: call each phase inside its own `with record_function(name):` block")
+            elsewhere = [(n, inside[-1]) for n, inside in zip(hidden.order, hidden.inside) if inside[-1] != n and inside[-1] in names]
+            if elsewhere:
+                n, region = elsewhere[0]
+                raise ExerciseFailed(f"{what} ran the phase {n!r} inside the region {region!r}: give each phase its own region, named after it")
         if any(expected.values()) and not any(got.values()) and all(m is False for m in hidden.memory):
             raise ExerciseFailed(f"{what} returned 0 for every phase: the profiler ran without profile_memory=True, so it recorded "
                                  "no allocations")
@@ -1489,11 +1691,13 @@ class _BlockWatch:
 
     def __init__(self, blocks: nn.ModuleList):
         self.calls: list[tuple[int, bool, str, bool]] = []
+        self.leaf_inputs: list[bool] = []  # per call: the input requires grad but has no grad_fn (a new leaf, cut from the graph)
         self.forward_calls = 0  # how many of self.calls belong to the learner's forward pass
         self.handles = [b.register_forward_pre_hook(functools.partial(self._note, i)) for i, b in enumerate(blocks)]
 
     def _note(self, i: int, module: nn.Module, args: tuple) -> None:
         x = args[0] if args else None
+        self.leaf_inputs.append(isinstance(x, torch.Tensor) and x.requires_grad and x.grad_fn is None)
         self.calls.append((i, torch.is_grad_enabled(), _checkpoint_variant(sys._getframe(1)),
                            isinstance(x, torch.Tensor) and x.requires_grad))
 
@@ -1564,6 +1768,7 @@ def check_checkpoint_segments(fn) -> None:
         segments = [list(range(s, min(s + size, n))) for s in starts]
         torch.manual_seed(36)
         (expected, sizes), _ = saved_activation_bytes(lambda: _plain(blocks, x), blocks.parameters())
+        rng_after = torch.get_rng_state()  # where the plain forward pass left the random state: dropout drew its masks from it
         expected.sum().backward()
         expected_grads = {name: p.grad.clone() for name, p in blocks.named_parameters()}
         blocks.zero_grad(set_to_none=True)
@@ -1586,7 +1791,12 @@ def check_checkpoint_segments(fn) -> None:
                     raise ExerciseFailed(f"{what} returned None: did you forget to `return` the output?")
                 if not isinstance(got, torch.Tensor):
                     raise ExerciseFailed(f"{what} returned {a_type(got)}, expected the output tensor")
+                rng_now = torch.get_rng_state()
                 _judge_forward(watch, got, n, what)
+                if label.endswith("dropout") and not _same(got.detach(), expected.detach()) and not torch.equal(rng_now, rng_after):
+                    raise ExerciseFailed(f"the output of {what} differs from the plain pass, and your call left the random state elsewhere "
+                                         "than the plain pass does: it reseeded (torch.manual_seed) or drew random numbers of its own, so "
+                                         "dropout drew other masks; leave the random state alone")
                 expect_tensor(got, expected.detach(), what=f"the output of {what}", atol=1e-6)
                 _backward_through_checkpoints(got, what)
         finally:
@@ -1640,6 +1850,11 @@ def _judge_forward(watch: _BlockWatch, got: torch.Tensor, n: int, what: str) -> 
         raise ExerciseFailed(f"{what}: the input of block {cut[-1]} did not require grad, though block {cut[-1] - 1}'s output did: "
                              f"the graph is cut between them, and backward cannot reach blocks 0 to {cut[-1] - 1} "
                              "(.detach() and .data cut it)")
+    leaves = [i for (i, *_), leaf in zip(forward, watch.leaf_inputs) if i > 0 and leaf]
+    if leaves:
+        raise ExerciseFailed(f"{what}: the input of block {leaves[-1]} is a new leaf tensor (it requires grad but has no grad_fn), not "
+                             f"block {leaves[-1] - 1}'s output with its graph: the graph is cut between them (.detach() or .data, then "
+                             f"requires_grad_()), and backward cannot reach blocks 0 to {leaves[-1] - 1}")
 
 
 def _judge_segments(watch: _BlockWatch, blocks: nn.ModuleList, segments: list[list[int]], size: int, what: str) -> None:

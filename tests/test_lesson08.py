@@ -362,6 +362,19 @@ def gr_times_one(module, strength):
     return module.register_forward_pre_hook(pre)
 
 
+def gr_global_pre_hook_for_the_module(module, strength):
+    """A correct alternative: a global forward pre-hook that acts on this module only."""
+    def pre(m, args):
+        (x,) = args
+        if m is not module or not (torch.is_grad_enabled() and x.requires_grad):
+            return None
+        lam = strength()
+        y = x.view_as(x)
+        y.register_hook(lambda g: -lam * g)
+        return (y,)
+    return nn.modules.module.register_module_forward_pre_hook(pre)
+
+
 def _gr(module, strength, *, scale=lambda lam: -lam, when="forward", new_node=True, give_back=True, in_place=False, guard=True):
     """Variants of the reference, one fault each."""
     fixed = strength()
@@ -1021,6 +1034,7 @@ RIGHT = [
     (L.check_add_gradient_reversal, gr_autograd_function),
     (L.check_add_gradient_reversal, gr_clone_returned_alone),
     (L.check_add_gradient_reversal, gr_times_one),
+    (L.check_add_gradient_reversal, gr_global_pre_hook_for_the_module),
     (L.check_first_nonfinite, fn_record_all_then_first),
     (L.check_first_nonfinite, fn_stop_at_the_first),
     (L.check_first_nonfinite, fn_one_global_hook),
@@ -1040,14 +1054,14 @@ def test_correct_alternatives_pass(check, answer):
 
 WRONG = [
     (L.check_capture_activations, capture_without_remove, r"left hooks on \['stem', 'block.1', 'head'\].*handle.remove\(\)"),
-    (L.check_capture_activations, capture_without_finally, r"a model whose forward raises.*let the model's ModelError through and left hooks on \['stem', 'block'\].*finally"),
+    (L.check_capture_activations, capture_without_finally, r"a model whose forward raises.*let the model's ModelError through and left hooks on \['stem', 'block', 'head'\].*finally"),
     (L.check_capture_activations, capture_swallowing_errors, "returned although the model's forward pass raised ModelError"),
     (L.check_capture_activations, capture_with_pre_hooks_left, r"left hooks on \['the model itself'\]"),
     (L.check_capture_activations, capture_with_a_global_hook_left, r"left hooks on \['all modules \(a global hook\)'\]"),
     (L.check_capture_activations, capture_without_detach, r"still requires grad.*output.detach\(\)"),
     (L.check_capture_activations, capture_late_binding, "only the key 'head'.*name=name"),
     (L.check_capture_activations, capture_inputs, "is the module's input.*store output"),
-    (L.check_capture_activations, capture_input_tuples, "is a tuple: store the hook's output"),
+    (L.check_capture_activations, capture_input_tuples, "is a tuple that holds the module's input.*store output"),
     (L.check_capture_activations, capture_by_index, r"returned the keys \[0, 1, 2\]"),
     (L.check_capture_activations, capture_in_eval_mode, "left the model in eval mode; it was in training mode"),
     (L.check_capture_activations, lambda m, x, n: list(L.capture_activations(m, x, n).values()), "returned a list, expected a dict"),
@@ -1437,6 +1451,243 @@ def test_third_set_of_wrong_answers_name_the_fault(check, wrong, message):
     assert_names_fault(check, wrong, message)
 
 
+# A fourth set, written from the learner copy alone by fresh eyes before reading the checks (the general ones)
+
+def capture_with_self_removing_hooks(model, x, names):
+    captured, modules = {}, dict(model.named_modules())
+
+    def register(name):
+        handle = None
+
+        def hook(m, a, o):
+            captured[name] = o.detach()
+            handle.remove()  # a one-shot hook: gone once it has run, but one that never runs stays
+        handle = modules[name].register_forward_hook(hook)
+
+    for name in names:
+        register(name)
+    model(x)
+    return captured
+
+
+def capture_leaves_only(model, x, names):
+    leaves = [(n, m) for n, m in model.named_modules() if next(m.children(), None) is None and n in names]
+    captured, handles = {}, []
+    try:
+        for name, m in leaves:
+            handles.append(m.register_forward_hook(lambda mod, a, o, name=name: captured.__setitem__(name, o.detach())))
+        model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def capture_first_sample(model, x, names):
+    return _capture(model, x, names, store=lambda args, output: output[0].detach())
+
+
+def lgn_grad_input_or_zero(model, x, y, loss_fn, names):
+    return _lgn(model, x, y, loss_fn, names, lambda norms, name: lambda m, gin, gout: norms.__setitem__(
+        name, 0.0 if gin[0] is None else gin[0].norm().item()))
+
+
+def lgn_grad_with_respect_to_the_output(model, x, y, loss_fn, names):
+    modules, norms, handles = dict(model.named_modules()), {}, []
+    try:
+        for name in names:
+            handles.append(modules[name].register_full_backward_hook(output_norm(norms, name)))
+        out = model(x)
+        torch.autograd.grad(loss_fn(out, y), out)  # the gradient stops at the model's output: no layer's hook runs
+    finally:
+        for h in handles:
+            h.remove()
+    return norms
+
+
+def gr_switching_on_the_inputs_grad(module, strength):
+    def pre(m, args):
+        (x,) = args
+        if not x.requires_grad:
+            x.requires_grad_()  # the caller's tensor
+        lam = strength()
+        y = x.view_as(x)
+        if torch.is_grad_enabled():
+            y.register_hook(lambda g: -lam * g)
+        return (y,)
+    return module.register_forward_pre_hook(pre)
+
+
+def gr_no_reversal_at_zero(module, strength):
+    return _gr(module, strength, scale=lambda lam: -lam if lam else 1.0)
+
+
+def gr_backward_pre_hook_on_the_output(module, strength):
+    def pre(m, args):
+        m.lam = strength()
+
+    module.register_forward_pre_hook(pre)
+    return module.register_full_backward_pre_hook(lambda m, grad_output: tuple(-m.lam * g for g in grad_output))
+
+
+def fn_late_binding(model, x):
+    found, handles = [], []
+    try:
+        for name, m in model.named_modules():
+            handles.append(m.register_forward_hook(lambda mod, a, o: found.append(name) if not found and _nonfinite(o) else None))
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else None
+
+
+def fn_zero_grad_first(model, x):
+    model.zero_grad()
+    return L.first_nonfinite(model, x)
+
+
+def fn_none_for_a_nonfinite_input(model, x):
+    return None if not x.isfinite().all() else L.first_nonfinite(model, x)
+
+
+def fn_last_output_of_each_module(model, x):
+    outputs = {}  # a module that runs twice keeps its first place in the dict, with its last output
+    handles = [m.register_forward_hook(lambda mod, a, o, name=name: outputs.__setitem__(name, o)) for name, m in model.named_modules()]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return next((name for name, o in outputs.items() if _nonfinite(o)), None)
+
+
+def mem_phase_outside_its_region(phases):
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for name, phase in phases.items():
+            with record_function(name):
+                pass
+            phase()
+    rows = {e.key: e.cpu_memory_usage for e in prof.key_averages()}
+    return {name: rows[name] for name in phases}
+
+
+def mem_nonzero_only(phases):
+    result = L.memory_by_phase(phases)
+    return {name: value for name, value in result.items() if value}
+
+
+def mem_absolute(phases):
+    return _mem(phases, convert=abs)
+
+
+def cs_new_leaf_between_segments(blocks, x, size):
+    for start in range(0, len(blocks), size):
+        x = checkpoint(nn.Sequential(*blocks[start:start + size]), x, use_reentrant=False).detach().requires_grad_()
+    return x
+
+
+def capture_a_list_per_name(model, x, names):
+    return _capture(model, x, names, store=lambda args, output: [output.detach()])
+
+
+def lgn_grad_with_respect_to_x(model, x, y, loss_fn, names):
+    return _lgn(model, x, y, loss_fn, names, output_norm, backward=lambda loss: torch.autograd.grad(loss, x))
+
+
+def lgn_summed_loss(model, x, y, loss_fn, names):
+    return _lgn(model, x, y, loss_fn, names, output_norm,
+                backward=lambda loss: torch.autograd.grad(loss * len(x), [p for p in model.parameters() if p.requires_grad]))
+
+
+def gr_half_strength(module, strength):
+    return _gr(module, strength, scale=lambda lam: -lam / 2)
+
+
+def fn_sum_is_finite(model, x):
+    return _fn(model, x, test=lambda o: any(not t.sum().isfinite() for t in L.tensors_in(o)))
+
+
+def mem_opposite_sign(phases):
+    return _mem(phases, convert=lambda v: -v)
+
+
+def capture_freezing_for_the_call(model, x, names):
+    model.requires_grad_(False)  # no graph to detach from... then every parameter switched back on, the frozen ones too
+    try:
+        return _capture(model, x, names, store=lambda args, output: output)
+    finally:
+        model.requires_grad_(True)
+
+
+def lgn_per_element(model, x, y, loss_fn, names):
+    return _lgn(model, x, y, loss_fn, names, lambda norms, name: lambda m, gin, gout: norms.__setitem__(
+        name, (gout[0].norm() / gout[0].numel()).item()))
+
+
+def fn_name_or_none(model, x):
+    flagged = []
+    _fn(model, x, pick=lambda found, model: flagged.extend(found))
+    return (flagged[0] if flagged else None) or None  # '' is false: the model itself is lost
+
+
+def mem_read_inside_the_profile(phases):
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for name, phase in phases.items():
+            with record_function(name):
+                phase()
+        rows = {e.key: e.cpu_memory_usage for e in prof.key_averages()}
+    return {name: rows[name] for name in phases}
+
+
+def cs_reseeding_each_segment(blocks, x, size):
+    def run(group, h):
+        torch.manual_seed(0)
+        return _run_group(group, h)
+    for start in range(0, len(blocks), size):
+        x = checkpoint(functools.partial(run, list(blocks)[start:start + size]), x, use_reentrant=False)
+    return x
+
+
+FOURTH_SET = [
+    (L.check_capture_activations, capture_freezing_for_the_call, "switched requires_grad on for block.0.weight, which was frozen"),
+    (L.check_layer_grad_norms, lgn_per_element, "the norm divided by the number of elements"),
+    (L.check_first_nonfinite, fn_name_or_none, r"returned None, expected '' \(the model itself\): a hook of yours was on the model itself.*is None"),
+    (L.check_memory_by_phase, mem_read_inside_the_profile, "while the profiler was still running, inside its `with` block"),
+    (L.check_checkpoint_segments, cs_reseeding_each_segment, "reseeded .torch.manual_seed. or drew random numbers of its own"),
+    (L.check_capture_activations, capture_a_list_per_name, r"\['stem'\] is a list that holds the output: store the output itself"),
+    (L.check_layer_grad_norms, lgn_grad_with_respect_to_x, "does not require grad: no parameter of this model is frozen, and the data x needs no gradient"),
+    (L.check_layer_grad_norms, lgn_summed_loss, r"every norm is 6 times the expected one \(the batch size\).*the loss was summed"),
+    (L.check_add_gradient_reversal, gr_half_strength, "multiplied by -0.15 in the step with strength.. = 0.3 and by -0.4"),
+    (L.check_first_nonfinite, fn_sum_is_finite, "returned 'split', expected None.*whose sum overflows to inf"),
+    (L.check_memory_by_phase, mem_opposite_sign, "each change with the opposite sign"),
+    (L.check_capture_activations, capture_with_self_removing_hooks, r"let the model's ModelError through and left hooks on \['head'\]"),
+    (L.check_capture_activations, capture_leaves_only, r"has no entry for 'block', '' \(the model itself\): exactly the names of modules that have children"),
+    (L.check_capture_activations, capture_first_sample, r"\['stem'\] is the first sample's output only \(output\[0\]\)"),
+    (L.check_layer_grad_norms, lgn_grad_input_or_zero, r"\['stem'\] is 0.0, and the other values are the norms at the layers' inputs: you read grad_input"),
+    (L.check_layer_grad_norms, lgn_grad_with_respect_to_the_output, "returned an empty dict: no gradient reached the layers' outputs"),
+    (L.check_add_gradient_reversal, gr_switching_on_the_inputs_grad, "on features that need no gradient.*switched on requires_grad on the caller's features"),
+    (L.check_add_gradient_reversal, gr_no_reversal_at_zero, r"at strength\(\) = 0 the gradient came back unchanged"),
+    (L.check_add_gradient_reversal, gr_backward_pre_hook_on_the_output,
+     r"own parameters learned from the reversed gradient.*; and both steps used the strength of the last forward call \(0.8\)"),
+    (L.check_first_nonfinite, fn_late_binding, r"answered the name of the last module in named_modules\(\).*loop variable"),
+    (L.check_first_nonfinite, fn_zero_grad_first, "changed head.weight.grad, which held a stale gradient"),
+    (L.check_first_nonfinite, fn_none_for_a_nonfinite_input, "a batch that holds an inf.*never ran the model"),
+    (L.check_first_nonfinite, fn_last_output_of_each_module, "returned 'shared', which runs 2 times: its first output was finite"),
+    (L.check_memory_by_phase, mem_phase_outside_its_region, "while no record_function region was open"),
+    (L.check_memory_by_phase, mem_nonzero_only, r"has no entry for \['temporary', 'view'\], the phases that left 0 bytes"),
+    (L.check_memory_by_phase, mem_absolute, "each change without its sign"),
+    (L.check_checkpoint_segments, cs_new_leaf_between_segments, "the input of block 6 is a new leaf tensor.*the graph is cut"),
+]
+
+
+@pytest.mark.parametrize("check, wrong, message", FOURTH_SET, ids=[f"{c.exercise_name}-{w.__name__}" for c, w, m in FOURTH_SET])
+def test_fourth_set_of_wrong_answers_name_the_fault(check, wrong, message):
+    assert_names_fault(check, wrong, message)
+
+
 def test_every_check_has_three_alternatives_and_eight_wrong_answers():
     for check, _ in PAIRS:
         assert sum(c is check for c, _ in RIGHT) >= 3, check.exercise_name
@@ -1503,7 +1754,7 @@ def test_errors_inside_the_learners_code_are_one_short_line(check, wrong, messag
 
 def test_nonfinite_cases_have_the_culprits_the_check_expects():
     culprits = [L.first_nonfinite(make(), x) for _, make, x in L._nonfinite_cases()]
-    assert culprits == [None, "block.1", None, "split", "", "block", "log"]
+    assert culprits == [None, "block.1", "embed", "boom", None, "split", "", "block", "log"]
 
 
 def test_tensor_phases_have_the_sizes_a_learner_can_work_out():
