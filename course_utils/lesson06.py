@@ -1,5 +1,6 @@
 """Lesson 06 (mixed precision): reference solutions, the checks for its exercises, and the memory demo's helpers."""
 
+import contextlib
 import copy
 import functools
 import math
@@ -21,6 +22,7 @@ from course_utils.tooling.checks import (
     exercise,
     expect_equal,
     expect_tensor,
+    first_line,
     scoreboard_for,
     type_name,
 )
@@ -181,16 +183,18 @@ def plot_float16_range(gradients: torch.Tensor, scale: float):
 # Shared helpers of the checks.
 
 def _restores_autocast(fn: Callable) -> Callable:
-    """Run fn on one thread and leave CPU autocast and the thread count as they were (@exercise leaves the RNG alone)."""
+    """Run fn on one thread and leave autocast (CPU and CUDA) and the thread count as they were (@exercise leaves the RNG alone)."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        enabled, dtype, threads = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.get_num_threads()
+        states = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")}
+        threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the checks' tensors are tiny: on a busy machine, waking threads costs more than the math
         try:
             return fn(*args, **kwargs)
         finally:
-            torch.set_autocast_enabled("cpu", enabled)
-            torch.set_autocast_dtype("cpu", dtype)
+            for device_type, (enabled, dtype) in states.items():
+                torch.set_autocast_enabled(device_type, enabled)
+                torch.set_autocast_dtype(device_type, dtype)
             torch.set_num_threads(threads)
     return run
 
@@ -229,12 +233,21 @@ def _first_difference(got: dict[str, torch.Tensor], expected: dict[str, torch.Te
 
 # Checks, one per exercise, in notebook order.
 
+_INF = float("inf")
 _RANGE_CASES = [
     (torch.tensor([0.5, -3.0, 1e-3]), torch.float16),
     (torch.tensor([1e-4, -2e-4]), torch.float16),
     (torch.tensor([1.0, -70000.0]), torch.float16),
     (torch.tensor([65504.0, -2.0]), torch.float16),
+    (torch.tensor([-65504.0]), torch.float16),                       # the limit itself, alone
     (torch.tensor([-1e-30, 2e-8, 7.0]), torch.float16),
+    (torch.tensor([40000.0, -40000.0, 30000.0]), torch.float16),     # each fits; their sum would not
+    (torch.tensor([65530.0, 1.0]), torch.float16),                   # past the sliver that rounds down: the cast gives inf
+    (torch.tensor([[1.0, -2.0], [3e4, 0.5]]), torch.float16),        # any shape
+    (torch.tensor([[0.25, 9e4], [-1.0, 2.0]]), torch.float16),
+    (torch.tensor(1e5), torch.bfloat16),                             # a 0-d tensor
+    (torch.tensor([2.0, _INF]), torch.float16),                      # an inf already in x stays inf
+    (torch.tensor([-_INF, 1.0]), torch.float32),
     (torch.tensor([70000.0, -1e30]), torch.bfloat16),
     (torch.tensor([3e38], dtype=torch.float64), torch.bfloat16),
     (torch.tensor([-3.4e38], dtype=torch.float64), torch.bfloat16),  # above bfloat16's 3.3895e38 (and its rounding), below float32's limit
@@ -243,7 +256,7 @@ _RANGE_CASES = [
     (torch.tensor([-1e39], dtype=torch.float64), torch.float32),
 ]
 
-_RANGE_MISTAKES = [  # (wrong rule, what it gets wrong)
+_RANGE_MISTAKES = [  # (wrong rule, what it gets wrong): the cases tell every rule from the others and from the right one
     (lambda x, d: bool(x.abs().max() <= torch.finfo(d).eps),
      "you compared with torch.finfo(dtype).eps, the gap between 1.0 and the next number; the largest finite value is torch.finfo(dtype).max"),
     (lambda x, d: bool(x.abs().max() <= torch.finfo(d).tiny),
@@ -258,8 +271,12 @@ _RANGE_MISTAKES = [  # (wrong rule, what it gets wrong)
      "you compared every dtype with bfloat16's limit, torch.finfo(torch.bfloat16).max: read the limit of the dtype you were given"),
     (lambda x, d: bool(x.abs().max() <= torch.finfo(torch.float32).max),
      "you compared every dtype with float32's limit, torch.finfo(torch.float32).max: read the limit of the dtype you were given"),
-    (lambda x, d: bool((x.abs().max() <= torch.finfo(d).max) & (x.abs().min() >= torch.finfo(d).tiny)),
-     "values below finfo(dtype).tiny do not overflow (they round to a subnormal or to 0): only the largest magnitude decides here"),
+    (lambda x, d: bool(x.abs().max() <= torch.finfo(x.dtype).max),
+     "you read the limit of x's own dtype, torch.finfo(x.dtype).max: the limit that matters is the target's, torch.finfo(dtype).max"),
+    (lambda x, d: bool(x.abs().sum() <= torch.finfo(d).max),
+     "you compared the sum of the magnitudes with the limit: each value is cast on its own, so only the largest magnitude matters"),
+    (lambda x, d: not bool(x.abs().max() <= torch.finfo(d).max),
+     "your function returns True when a value overflows and False when every value fits: the opposite of what is asked"),
 ]
 
 
@@ -268,7 +285,21 @@ def _range_reason(x: torch.Tensor, dtype: torch.dtype, fits: bool) -> str:
     peak, limit = x.abs().max().item(), torch.finfo(dtype).max
     if fits:
         return f"its largest magnitude, {peak:.6g}, is at most torch.finfo({dtype}).max = {limit:.6g}"
+    if math.isinf(peak):
+        return "x already holds an inf, which stays inf in any float dtype: it does not fit"
     return f"|{peak:.6g}| is above torch.finfo({dtype}).max = {limit:.6g}, so the cast gives inf"
+
+
+def _counts_tiny_values(fn: Callable) -> bool:
+    """True when fn accepts an ordinary value but rejects values that only underflow (they give 0 or a subnormal, no inf)."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        if fn(torch.tensor([1.0, -2.0]), dtype) is True and fn(torch.tensor([1.0, 1e-30, -2.0]), dtype) is False:
+            return True
+    return False
+
+
+def _shown_tensor(x: torch.Tensor) -> str:
+    return f"torch.tensor({x.tolist()})" + (f" (shape {tuple(x.shape)})" if x.dim() != 1 else "")
 
 
 @exercise("fits_in_range")
@@ -276,12 +307,21 @@ def _range_reason(x: torch.Tensor, dtype: torch.dtype, fits: bool) -> str:
 def check_fits_in_range(fn) -> None:
     answers = []
     for x, dtype in _RANGE_CASES:
-        what = f"fits_in_range(torch.tensor({x.tolist()}), {dtype})"
+        what = f"fits_in_range({_shown_tensor(x)}, {dtype})"
         given, before = x.clone(), x.clone()
-        got = call(fn, given, dtype, shown=f"torch.tensor({x.tolist()}), {dtype}")
-        if given.dtype != before.dtype or not torch.equal(given, before):
+        try:
+            got = call(fn, given, dtype, shown=f"{_shown_tensor(x)}, {dtype}")
+        except ExerciseFailed as err:
+            if x.dim() == 1 or " raised " not in str(err) or not answers:
+                raise
+            raise ExerciseFailed(f"{err} (x here is {x.dim()}-D, and your function ran on the 1-D tensors before it: "
+                                 "x can have any shape, so work on the tensor as a whole, e.g. x.abs().max())") from None
+        if given.dtype != before.dtype:
             raise ExerciseFailed(f"{what} changed the caller's tensor x (now {_short(given.dtype)} {given.tolist()}): "
-                                 "only read it; compare a copy, such as x.abs(), not x itself cast in place")
+                                 "only read it; compare a copy, not x itself cast in place")
+        if not torch.equal(given, before):
+            raise ExerciseFailed(f"{what} changed the values of the caller's tensor x in place (now {given.tolist()}): "
+                                 "only read it; use out-of-place operations such as x.abs(), not x.abs_()")
         if isinstance(got, torch.Tensor):
             raise ExerciseFailed(f"{what} is a tensor, expected a Python bool: wrap the comparison in bool(...) or call .item()")
         if isinstance(got, (np.generic, np.ndarray)):
@@ -295,8 +335,12 @@ def check_fits_in_range(fn) -> None:
     for rule, message in _RANGE_MISTAKES:
         if answers == [rule(x, d) for x, d in _RANGE_CASES]:
             raise ExerciseFailed(message)
+    probe = lambda x, d: call(fn, x, d, shown=f"{_shown_tensor(x)}, {d}")
+    if _counts_tiny_values(probe):
+        raise ExerciseFailed("values far below finfo(dtype).tiny do not overflow (they round to a subnormal or to 0), yet your "
+                             "function rejects them: only magnitudes above torch.finfo(dtype).max count against x")
     (x, dtype), got, want = next((case, a, e) for case, a, e in zip(_RANGE_CASES, answers, expected) if a != e)
-    raise ExerciseFailed(f"fits_in_range(torch.tensor({x.tolist()}), {dtype}) returned {got}, expected {want}: "
+    raise ExerciseFailed(f"fits_in_range({_shown_tensor(x)}, {dtype}) returned {got}, expected {want}: "
                          f"{_range_reason(x, dtype, want)}")
 
 
@@ -308,55 +352,104 @@ class _ProbeError(Exception):
     """What the raising probe raises: the learner's function must let it through."""
 
 
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on a CUDA device: on a machine without a GPU, how the check sees which device type's
+    autocast the learner's function switches off (autocast is per device type; the probe computes on the CPU either way)."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+def _plain(value: Any) -> Any:
+    return value.as_subclass(torch.Tensor) if isinstance(value, _OnCuda) else value
+
+
+_ORDER = ("a", "b", "index", "weight")
+
+
 class _Probe:
     """An fn for run_in_float32: records what it receives, returns distances picked by an index tensor, times a number."""
 
-    def __init__(self, raises: bool = False):
-        self.raises = raises
+    def __init__(self, order: tuple[str, ...] = _ORDER, device_type: str = "cpu", raises: bool = False):
+        self.order, self.device_type, self.raises = order, device_type, raises
         self.calls: list[dict] = []
+        self.returned: Any = None
 
     def __call__(self, *args):
         self.calls.append({
-            "autocast": torch.is_autocast_enabled("cpu"),
+            "autocast": torch.is_autocast_enabled(self.device_type),
+            "grad_enabled": torch.is_grad_enabled(),
             "kinds": [_expected_kind(a, cast=False) for a in args],
+            "requires_grad": [isinstance(a, torch.Tensor) and a.requires_grad for a in args],
         })
         if self.raises:
             raise _ProbeError("fn raised (as the check's fn does on purpose)")
         if len(args) != 4:
-            raise TypeError(f"fn takes 4 arguments (a, b, index, weight), got {len(args)}")
-        a, b, index, weight = args
+            raise TypeError(f"fn takes 4 arguments ({', '.join(self.order)}), got {len(args)}")
+        named = dict(zip(self.order, args))
+        a, b, index, weight = (named[k] for k in _ORDER)
         common = torch.promote_types(a.dtype, b.dtype)   # the probe runs on whatever it is given, never raises a dtype error
         a, b = a.to(common), b.to(common)
         squared = (a * a).sum(dim=1, keepdim=True) + (b * b).sum(dim=1) - 2 * (a @ b.T)
-        return weight * squared.gather(1, index.long())  # index.long(): the probe still runs if index arrives cast
+        self.returned = weight * squared.gather(1, index.long())  # index.long(): the probe still runs if index arrives cast
+        return self.returned
 
 
-def _distance_case(seed: int, a_dtype: torch.dtype, b_dtype: torch.dtype, n: int = 5, m: int = 4, d: int = 24):
+def _distance_case(seed: int, a_dtype: torch.dtype, b_dtype: torch.dtype, n: int = 5, m: int = 4, d: int = 24,
+                   device_type: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     centre = torch.randn(1, d, generator=g) * 40          # far from 0, close together: the expansion cancels badly
-    a = (centre + 0.05 * torch.randn(n, d, generator=g)).to(a_dtype).requires_grad_()
+    a = (centre + 0.05 * torch.randn(n, d, generator=g)).to(a_dtype)
     b = (centre + 0.05 * torch.randn(m, d, generator=g)).to(b_dtype)
     index = torch.randint(0, m, (n, 2), generator=g)
-    return a, b, index, 0.5
+    if device_type == "cuda":
+        a, b, index = a.as_subclass(_OnCuda), b.as_subclass(_OnCuda), index.as_subclass(_OnCuda)
+    return a.requires_grad_(), b, index, 0.5
 
 
 def _expected_distances(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The probe's result computed in float32 (float64 stays float64) with autocast off, and its gradient for a."""
-    a = a.detach().clone().requires_grad_()
+    a = _plain(a).detach().clone().requires_grad_()
     with torch.autocast("cpu", enabled=False):
         probe = _Probe()
-        out = probe(*[t.float() if isinstance(t, torch.Tensor) and t.dtype in HALF_DTYPES else t for t in (a, b, index, weight)])
+        out = probe(*[t.float() if isinstance(t, torch.Tensor) and t.dtype in HALF_DTYPES else t
+                      for t in (a, _plain(b), _plain(index), weight)])
     (grad,) = torch.autograd.grad(out.sum(), a)
     return out.detach(), grad
 
 
-# (autocast dtype of the caller or None, dtype of a, dtype of b): every kind of argument the prompt names.
+# (autocast dtype of the caller or None, dtype of a, dtype of b, the order of the arguments, the tensors' device type):
+# every kind of argument the prompt names, a plain number first, and tensors on another device type than the CPU.
 _F32_CASES = [
-    (torch.bfloat16, torch.bfloat16, torch.bfloat16),
-    (torch.float16, torch.float16, torch.float32),
-    (None, torch.bfloat16, torch.float64),
-    (torch.bfloat16, torch.float64, torch.float64),
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16, _ORDER, "cpu"),
+    (torch.float16, torch.float16, torch.float32, _ORDER, "cpu"),
+    (None, torch.bfloat16, torch.float64, _ORDER, "cpu"),
+    (torch.bfloat16, torch.float64, torch.float64, _ORDER, "cpu"),
+    (torch.bfloat16, torch.bfloat16, torch.float16, ("weight", "index", "a", "b"), "cpu"),
+    (torch.float16, torch.float16, torch.float16, _ORDER, "cuda"),
 ]
+
+
+@contextlib.contextmanager
+def _caller_autocast(device_type: str, dtype: torch.dtype | None):
+    """The caller's autocast: torch.autocast on the CPU; for CUDA, which this machine may lack, its flags set by hand."""
+    if device_type == "cpu":
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            yield
+        return
+    enabled, before = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    torch.set_autocast_enabled(device_type, dtype is not None)
+    torch.set_autocast_dtype(device_type, dtype or before)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled(device_type, enabled)
+        torch.set_autocast_dtype(device_type, before)
 
 
 def _expected_kind(value: Any, cast: bool = True) -> Any:
@@ -374,7 +467,7 @@ def _expect_arguments_unchanged(what: str, originals: dict[str, tuple[torch.Tens
         if tensor.dtype != before.dtype:
             raise ExerciseFailed(f"{what}: the caller's tensor {name} is now {_short(tensor.dtype)}, it was {_short(before.dtype)}: "
                                  "cast into new tensors (a.float() returns one) and leave the caller's tensors as they were")
-        if tensor.shape != before.shape or not torch.equal(tensor.detach(), before):
+        if tensor.shape != before.shape or not torch.equal(_plain(tensor).detach(), _plain(before)):
             raise ExerciseFailed(f"{what}: the values of the caller's tensor {name} changed: leave the caller's tensors as they were")
         if tensor.requires_grad != requires_grad:
             raise ExerciseFailed(f"{what}: the caller's tensor {name} now has requires_grad={tensor.requires_grad}: "
@@ -385,22 +478,30 @@ def _kind_name(kind: Any) -> str:
     return _short(kind) if isinstance(kind, torch.dtype) else kind if isinstance(kind, str) else repr(kind)
 
 
+_NUMBER_AS_TENSOR = ("not every argument is a tensor, and a plain number is among them here: test isinstance(arg, torch.Tensor) "
+                     "before using a tensor's attributes, and take the device type from a tensor argument")
+_F32_HINTS = {"'float' object has no attribute": _NUMBER_AS_TENSOR, "'int' object has no attribute": _NUMBER_AS_TENSOR}
+
+
 @exercise("run_in_float32")
 @_restores_autocast
 def check_run_in_float32(fn) -> None:
-    for seed, (caller, a_dtype, b_dtype) in enumerate(_F32_CASES, start=61):
-        a, b, index, weight = _distance_case(seed, a_dtype, b_dtype)
-        region = f"inside torch.autocast('cpu', dtype={caller})" if caller else "outside autocast"
-        shown = f"fn, a ({_short(a_dtype)}), b ({_short(b_dtype)}), index (int64), {weight}"
+    for seed, (caller, a_dtype, b_dtype, order, device_type) in enumerate(_F32_CASES, start=61):
+        a, b, index, weight = _distance_case(seed, a_dtype, b_dtype, device_type=device_type)
+        values = {"a": a, "b": b, "index": index, "weight": weight}
+        args = [values[k] for k in order]
+        region = f"inside torch.autocast('{device_type}', dtype={caller})" if caller else "outside autocast"
+        labels = {"a": f"a ({_short(a_dtype)})", "b": f"b ({_short(b_dtype)})", "index": "index (int64)", "weight": str(weight)}
+        on = "" if device_type == "cpu" else f", every tensor on a {device_type.upper()} device"
+        shown = f"fn, {', '.join(labels[k] for k in order)}{on}"
         what = f"run_in_float32({shown}) {region}"
-        probe = _Probe()
+        probe = _Probe(order, device_type)
         originals = {"a": (a, a.detach().clone(), a.requires_grad), "b": (b, b.clone(), b.requires_grad),
                      "index": (index, index.clone(), False)}
-        with torch.autocast("cpu", dtype=caller or torch.bfloat16, enabled=caller is not None), \
-                warnings.catch_warnings(record=True) as caught:
+        with _caller_autocast(device_type, caller), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got = call(fn, probe, a, b, index, weight, name="run_in_float32", shown=shown)
-            still_on, dtype_after = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+            got = call(fn, probe, *args, name="run_in_float32", shown=shown, hints=_F32_HINTS)
+            still_on, dtype_after = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
         _expect_arguments_unchanged(what, originals)
         if any("target dtype is not supported" in str(w.message) for w in caught):
             raise ExerciseFailed(f"{what}: torch.autocast(..., dtype=torch.float32) warned and switched itself off: "
@@ -410,8 +511,17 @@ def check_run_in_float32(fn) -> None:
         if len(probe.calls) > 1:
             raise ExerciseFailed(f"{what}: fn was called {len(probe.calls)} times: call it once")
         seen = probe.calls[0]
-        expected_kinds = [_expected_kind(v) for v in (a, b, index, weight)]
+        if not seen["grad_enabled"]:
+            raise ExerciseFailed(f"{what}: gradient recording was off while fn ran (torch.no_grad() or torch.inference_mode() "
+                                 "around it), so no gradient can flow back to the caller's tensors: leave it on")
+        expected_kinds = [_expected_kind(v) for v in args]
         if caller and seen["autocast"]:
+            if device_type != "cpu":
+                raise ExerciseFailed(
+                    f"{what}: these tensors are on a {device_type.upper()} device (a.device.type is '{device_type}'), and autocast "
+                    f"for '{device_type}' was still on while fn ran: switch autocast off for the device type of the tensors, "
+                    "read from them"
+                )
             if seen["kinds"] == expected_kinds:
                 raise ExerciseFailed(
                     f"{what}: autocast was still on while fn ran, so its matmul ran in {_short(caller)} although you passed float32 "
@@ -419,7 +529,7 @@ def check_run_in_float32(fn) -> None:
                     "for the tensors' device type"
                 )
             raise ExerciseFailed(f"{what}: autocast was still on while fn ran: switch it off around fn, for the tensors' device type")
-        for name, kind, want in zip(("a", "b", "index", "weight"), seen["kinds"], expected_kinds):
+        for name, kind, want in zip(order, seen["kinds"], expected_kinds):
             if kind == want:
                 continue
             if want == torch.float32 and kind in HALF_DTYPES:
@@ -433,6 +543,9 @@ def check_run_in_float32(fn) -> None:
                     "tensors to float32, and leave every other tensor as it is"
                 )
             raise ExerciseFailed(f"{what}: fn received {name} as {_kind_name(kind)}, expected {_kind_name(want)}: pass it on unchanged")
+        if not seen["requires_grad"][order.index("a")]:
+            raise ExerciseFailed(f"{what}: fn received a detached copy of a (requires_grad=False), so no gradient reaches the "
+                                 "caller's a: cast with .float() or .to(torch.float32), which autograd records, and do not detach")
         if caller and not still_on:
             raise ExerciseFailed(f"{what}: autocast was off after your function returned: switch it off for fn only, e.g. with a `with` block")
         if caller and dtype_after != caller:
@@ -440,15 +553,19 @@ def check_run_in_float32(fn) -> None:
                                  f"expected {_short(caller)} as before: leave the caller's autocast as it was")
         if not caller and still_on:
             raise ExerciseFailed(f"{what}: autocast was on after your function returned, though it was off before: leave it as it was")
+        returned = probe.returned
+        if isinstance(got, torch.Tensor) and got is not returned and got.dtype != returned.dtype:
+            raise ExerciseFailed(f"{what}: fn returned a {_short(returned.dtype)} tensor, and your function returned it converted "
+                                 f"to {_short(got.dtype)}: return what fn returns, as it is")
         expected, expected_grad = _expected_distances(a, b, index, weight)
-        expect_tensor(got, expected, what=what, atol=1e-5, rtol=1e-6)
+        expect_tensor(_plain(got), expected, what=what, atol=1e-5, rtol=1e-6)
         if not got.requires_grad:
             raise ExerciseFailed(f"{what}: the result does not require grad, so no gradient reaches a: cast with .float() or "
                                  ".to(torch.float32), which autograd records, and do not detach")
         (grad,) = torch.autograd.grad(got.sum(), a, allow_unused=True)
         if grad is None:
             raise ExerciseFailed(f"{what}: no gradient reaches the caller's tensor a: do not detach it")
-        expect_tensor(grad, expected_grad.to(a.dtype), what=f"the gradient of a after {what}", atol=1e-2, rtol=1e-2)
+        expect_tensor(_plain(grad), expected_grad.to(a.dtype), what=f"the gradient of a after {what}", atol=1e-2, rtol=1e-2)
     # fn raises: the error reaches the caller, and autocast is as it was.
     probe = _Probe(raises=True)
 
@@ -462,7 +579,7 @@ def check_run_in_float32(fn) -> None:
     a, b, index, weight = _distance_case(70, torch.bfloat16, torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outcome = call(raise_through, probe, a, b, index, weight, name="run_in_float32",
-                       shown="an fn that raises, a, b, index, 0.5")
+                       shown="an fn that raises, a, b, index, 0.5", hints=_F32_HINTS)
         still_on = torch.is_autocast_enabled("cpu")
     if outcome == "returned":
         raise ExerciseFailed("when fn raised, your function returned normally: let fn's error reach your caller")
@@ -488,9 +605,11 @@ def _gradscaler_scales(found_inf: list[bool], init_scale: float, growth_interval
     return scales
 
 
-def _schedule_variant(found_inf, init_scale, growth_interval, *, reset_on_inf=True, off_by_one=False, reset_on_growth=True, before=False):
+def _schedule_variant(found_inf, init_scale, growth_interval, *, reset_on_inf=True, off_by_one=False, reset_on_growth=True, before=False,
+                      inverted=False):
     scale, good, scales = init_scale, 0, []
     for inf in found_inf:
+        inf = inf != inverted
         if before:
             scales.append(scale)
         if inf:
@@ -516,6 +635,7 @@ _SCHEDULE_CASES = [
     ([False, False, False, False], 16.0, 1),
     ([True], 2.0, 5),
     ([True, True, False, True], 2.0, 3),
+    ([True, False, False, True, True, False, False, False, False, False], 3.0, 2),  # not a power of two
     ([], 512.0, 2),
 ]
 
@@ -524,6 +644,7 @@ _SCHEDULE_MISTAKES = [
     ({"off_by_one": True}, "the scale doubles on the growth_interval-th good step in a row, not on the one after it"),
     ({"reset_on_growth": False}, "after the scale doubles, the count of good steps starts again from 0"),
     ({"before": True}, "return the scale after each step's update(), not the scale the step used"),
+    ({"inverted": True}, "you read found_inf=True as a good step: True means that the step found an inf/NaN, which halves the scale"),
 ]
 
 
@@ -551,6 +672,10 @@ def check_loss_scale_schedule(fn) -> None:
             if list(got) == _schedule_variant(found_inf, init_scale, growth_interval, **options):
                 raise ExerciseFailed(f"{what}: {message}")
         step = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+        if (isinstance(got[step], (int, float)) and expected[step] % 1 and got[step] == math.floor(expected[step])
+                and (step == 0 or got[step - 1] == expected[step - 1])):
+            raise ExerciseFailed(f"{what}: after step {step} the scale should be {expected[step]:g}, got {got[step]!r}: the value was "
+                                 "rounded down, as // and int() do; halve with / 2 or * 0.5, which keep the fraction, and return floats")
         raise ExerciseFailed(f"{what}: after step {step} (found_inf={found_inf[step]}) the scale should be {expected[step]:g}, "
                              f"got {got[step]!r}: {_schedule_rule(found_inf, init_scale, growth_interval, expected, step)}")
 
@@ -603,10 +728,15 @@ class _AmpRun:
         self.optimizer = _amp_optimizer(self.model)
         self.scaler = _amp_scaler(dtype)
         self.overflow = False
+        self.grads_at_step: dict[str, torch.Tensor] | None = None  # what the optimizer's last step read
         self.model[2].weight.register_hook(self._maybe_overflow)
+        self.optimizer.register_step_pre_hook(self._record_grads)
         for p in self.model.parameters():
             if p.requires_grad:
                 p.grad = torch.full_like(p, _AMP_STALE)  # gradients left over from an earlier step
+
+    def _record_grads(self, *args) -> None:
+        self.grads_at_step = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
 
     def _maybe_overflow(self, grad: torch.Tensor) -> torch.Tensor:
         if not self.overflow:
@@ -682,11 +812,43 @@ def _skip_cause(step: int, nan_step: int, overflow_step: int) -> str:
     return "the scale was too large, so the float16 backward overflowed to inf"
 
 
+class _ScalerLog:
+    """Wraps the learner's scaler: the order of its scale, unscale_, step and update calls, and direct optimizer steps."""
+
+    def __init__(self, scaler: torch.amp.GradScaler):
+        self.events: list[str] = []
+        self.depth = 0  # inside one of the scaler's own methods (step calls unscale_): not the learner's call
+        for name in ("scale", "unscale_", "step", "update"):
+            setattr(scaler, name, self._recorded(name, getattr(scaler, name)))
+
+    def _recorded(self, name: str, method: Callable) -> Callable:
+        def run(*args, **kwargs):
+            if not self.depth:
+                self.events.append(name)
+            self.depth += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.depth -= 1
+        return run
+
+    def optimizer_stepped(self, *args) -> None:
+        if not self.depth:
+            self.events.append("optimizer.step")
+
+    def count(self, name: str) -> int:
+        return self.events.count(name)
+
+
 class _Watch:
     """What the learner's step does to the check's objects: optimizer steps, the forward's dtype, the loss's dtype."""
 
     def __init__(self, run: _AmpRun):
+        self.run = run
         self.steps, self.backwards, self.forward_dtypes, self.forward_rows, self.losses = 0, 0, [], [], []
+        self.weight_dtypes, self.backward_autocast, self.loss_grads = [], [], []
+        self.log = _ScalerLog(run.scaler)
+        run.optimizer.register_step_pre_hook(self.log.optimizer_stepped)
         run.optimizer.register_step_post_hook(self._on_step)
         run.model[0].register_forward_hook(self._on_forward)
         run.model[-1].weight.register_hook(self._on_backward)
@@ -696,34 +858,75 @@ class _Watch:
 
     def _on_backward(self, grad: torch.Tensor) -> None:
         self.backwards += 1
+        self.backward_autocast.append(torch.is_autocast_enabled("cpu"))
 
     def _on_forward(self, module, args, output) -> None:
         self.forward_dtypes.append(output.dtype)
         self.forward_rows.append(len(args[0]))
+        self.weight_dtypes.append(module.weight.dtype)
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """F.cross_entropy itself, noting the dtype it ran in: the loss_fn the learner's step is given."""
+        """F.cross_entropy itself, noting the dtype it ran in and whether backward reached it: the loss_fn the learner is given."""
         loss = F.cross_entropy(logits, targets)
         self.losses.append((logits.dtype, loss.dtype))
+        self.loss_grads.append(False)
+        if loss.requires_grad:
+            i = len(self.loss_grads) - 1
+            loss.register_hook(lambda grad: self.loss_grads.__setitem__(i, True))
         return loss
 
     def clear(self) -> None:
         self.steps = self.backwards = 0
-        self.forward_dtypes.clear()
-        self.forward_rows.clear()
-        self.losses.clear()
+        for record in (self.forward_dtypes, self.forward_rows, self.losses, self.weight_dtypes, self.backward_autocast,
+                       self.loss_grads, self.log.events):
+            record.clear()
+        self.run.grads_at_step = None
 
 
 _AMP_HINTS = {
     "_scale is None": "the scaler has not scaled anything yet: call scaler.scale(loss).backward(), not loss.backward()",
     "unscale_() has already been called": "call scaler.unscale_(optimizer) once per step, before clipping",
+    "unscale_() is being called after step()": ("scaler.step(optimizer) reads the unscaled gradients, so unscale_ (and the "
+                                                "clipping after it) must come before scaler.step(optimizer)"),
     "step() has already been called": "call scaler.step(optimizer) at most once per step",
-    "No inf checks were recorded": ("scaler.update() needs this step's inf check, which scaler.unscale_(optimizer) or "
-                                    "scaler.step(optimizer) records: on a step you skip, still run scaler.scale(loss).backward() "
-                                    "and scaler.unscale_(optimizer), skip only the optimizer step, then call update()"),
     "Attempting to unscale FP16 gradients": "the parameters are float16: autocast keeps the weights float32 and casts per "
                                             "operation; do not cast the model",
+    "'NoneType' object has no attribute": ("usually a parameter's .grad, which is None for a parameter that gets no gradient "
+                                           "(a frozen one, requires_grad=False): skip those"),
+    "not NoneType": ("usually a parameter's .grad, which is None for a parameter that gets no gradient (a frozen one, "
+                     "requires_grad=False): skip those"),
 }
+
+
+def _no_inf_check_advice(watch: _Watch, per_micro_batch: bool = False) -> str:
+    """Why scaler.update() found no inf check in this step, read from the order of the learner's calls."""
+    log = watch.log
+    if log.count("update") > 1:
+        return "scaler.update() was called twice in one step: call it once per step, after scaler.step(optimizer)"
+    if "unscale_" in log.events or "step" in log.events:
+        return "scaler.update() found no inf check for this step"
+    if not watch.backwards:
+        return ("scaler.update() needs this step's inf check, which scaler.unscale_(optimizer) or scaler.step(optimizer) records: "
+                "on a step you skip, still run scaler.scale(loss).backward() and scaler.unscale_(optimizer), skip only the "
+                "optimizer step, then call update()")
+    if "optimizer.step" in log.events:
+        return ("you stepped with optimizer.step() and never called scaler.unscale_(optimizer) or scaler.step(optimizer), which "
+                "record the inf check update() needs: step with scaler.step(optimizer)")
+    if per_micro_batch:
+        return ("scaler.update() ran before this step's scaler.unscale_(optimizer): update once per step, after the last "
+                "micro-batch, unscale_ and step, never per micro-batch")
+    return ("scaler.update() ran before this step's scaler.unscale_(optimizer) or scaler.step(optimizer), which record the inf "
+            "check it needs: call it last, after scaler.step(optimizer)")
+
+
+def _call_step(fn: Callable, args: tuple, name: str, shown: str, watch: _Watch, hints: dict, per_micro_batch: bool = False):
+    """The learner's step through call(), with advice for update()'s 'No inf checks' error read from the order of their calls."""
+    try:
+        return call(fn, *args, name=name, shown=shown, hints=hints)
+    except ExerciseFailed as err:
+        if "No inf checks were recorded" not in str(err):
+            raise
+        raise ExerciseFailed(f"{err} ({_no_inf_check_advice(watch, per_micro_batch)})") from None
 
 
 @exercise("amp_step")
@@ -748,8 +951,8 @@ def _check_amp_precision(fn: Callable, dtype: torch.dtype) -> None:
         given_x, given_y = x.clone(), y.clone()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got = call(fn, mine.model, given_x, given_y, watch.cross_entropy, mine.optimizer, mine.scaler, dtype,
-                       _AMP_MAX_NORM, name="amp_step", shown=shown, hints=_AMP_HINTS)
+            got = _call_step(fn, (mine.model, given_x, given_y, watch.cross_entropy, mine.optimizer, mine.scaler, dtype,
+                                  _AMP_MAX_NORM), "amp_step", shown, watch, _AMP_HINTS)
         mine.overflow = False
         what = f"amp_step with dtype={dtype}, step {step}"
         if given_x.dtype != x.dtype or not torch.equal(given_x, x) or not torch.equal(given_y, y):
@@ -765,6 +968,10 @@ def _judge_precision(what: str, dtype: torch.dtype, mine: _AmpRun, watch: "_Watc
     if cast:
         raise ExerciseFailed(f"{what}: the model's parameters are now {cast[0]}: autocast keeps the weights float32 "
                              "and casts per operation; do not cast the model")
+    if any(d != torch.float32 for d in watch.weight_dtypes):
+        low = next(d for d in watch.weight_dtypes if d != torch.float32)
+        raise ExerciseFailed(f"{what}: the model's weights were {_short(low)} during the forward pass: autocast keeps the "
+                             "weights float32 and casts per operation; do not cast the model, not even for the forward pass")
     if any("target dtype is not supported" in m for m in messages):
         raise ExerciseFailed(f"{what}: torch.autocast(..., dtype=torch.float32) warned and switched itself off: "
                              "for float32, run the forward without autocast (enabled=False)")
@@ -790,6 +997,24 @@ def _judge_precision(what: str, dtype: torch.dtype, mine: _AmpRun, watch: "_Watc
         raise ExerciseFailed(f"{what}: the loss came out {_short(loss_dtype)}: it was computed outside autocast on "
                              f"{_short(logits_dtype)} logits{overflow}; compute it inside the autocast block, where "
                              "autocast runs the loss in float32, or on logits.float()")
+    if any(watch.backward_autocast):
+        raise ExerciseFailed(f"{what}: the backward pass ran inside the autocast block: autocast is for the forward pass and "
+                             "the loss; close the block before scaler.scale(loss).backward() (backward runs each op in the "
+                             "dtype its forward used)")
+
+
+def _judge_order(what: str, dtype: torch.dtype, watch: "_Watch") -> None:
+    """The order of the scaler's calls within one step, where it changes what happens (an enabled scaler)."""
+    log = watch.log
+    if dtype != torch.float16:
+        return
+    if log.count("update") > 1:
+        raise ExerciseFailed(f"{what}: scaler.update() ran {log.count('update')} times in one call: update once per step, "
+                             "after scaler.step(optimizer)")
+    if "update" in log.events and "step" in log.events and log.events.index("update") < log.events.index("step"):
+        raise ExerciseFailed(f"{what}: scaler.update() ran before scaler.step(optimizer): update() picks the next step's scale "
+                             "and forgets this step's unscale_, so step() then divided the gradients again; call update() "
+                             "last, after step()")
 
 
 def _judge_skip(what: str, dtype: torch.dtype, cause: str, mine: _AmpRun, ref: _AmpRun, got: Any, watch: "_Watch",
@@ -797,24 +1022,36 @@ def _judge_skip(what: str, dtype: torch.dtype, cause: str, mine: _AmpRun, ref: _
     """A step the reference skipped: no optimizer step, False returned, and with float16 the scale backed off."""
     after = _params(mine.model)
     changed = not all(torch.equal(after[k], weights_before[k]) for k in weights_before)
-    advice = ("step with scaler.step(optimizer), which skips such a step, and never call optimizer.step() yourself"
-              if dtype == torch.float16 else
-              "a disabled scaler skips nothing, so check that the gradients are finite (clip_grad_norm_ returns their "
-              "total norm) and do not step when they are not")
+    log = watch.log
     if watch.steps or changed:
-        raise ExerciseFailed(f"{what}: {cause}, and the optimizer {'stepped' if watch.steps else 'changed the weights'} "
-                             f"anyway: {advice}")
+        did = "stepped" if watch.steps else "changed the weights"
+        if watch.losses and not all(watch.loss_grads) and "NaN" in cause:
+            raise ExerciseFailed(f"{what}: {cause}; you left that loss out of backward and the optimizer {did} on the rest: "
+                                 "skip the whole step when any loss or gradient is inf or NaN")
+        if "optimizer.step" in log.events and dtype == torch.float16:
+            advice = "step with scaler.step(optimizer), which skips such a step, and never call optimizer.step() yourself"
+        elif dtype == torch.float16:
+            advice = ("scaler.step(optimizer) found no inf or NaN in the gradients it was given: the step must be skipped "
+                      "when the loss or any gradient of this step is inf or NaN")
+        else:
+            advice = ("a disabled scaler skips nothing, so check that the gradients are finite (clip_grad_norm_ returns their "
+                      "total norm) and do not step when they are not")
+        raise ExerciseFailed(f"{what}: {cause}, and the optimizer {did} anyway: {advice}")
     if got:
         raise ExerciseFailed(f"{what}: {cause}, and the step was rightly skipped, but you returned True: return False for a skipped step")
     if mine.scaler.get_scale() != ref.scaler.get_scale():
-        if not watch.backwards:
+        if "unscale_" not in log.events and "step" not in log.events:
+            where = "before backward" if not watch.backwards else "before scaler.unscale_(optimizer)"
             raise ExerciseFailed(
-                f"{what}: {cause}, and you skipped the step before backward, so the scale stayed {mine.scaler.get_scale():g} "
+                f"{what}: {cause}, and you skipped the step {where}, so the scale stayed {mine.scaler.get_scale():g} "
                 f"instead of backing off to {ref.scaler.get_scale():g}. update() backs it off only from this step's inf check, "
                 "which scaler.unscale_(optimizer) records: run scaler.scale(loss).backward() and unscale_ even when the loss "
                 "is not finite, skip only the optimizer step, then call scaler.update()")
-        raise ExerciseFailed(f"{what}: {cause}; after this skipped step the scale should back off from {scale_before:g} to "
-                             f"{ref.scaler.get_scale():g}, it is {mine.scaler.get_scale():g}: call scaler.update() on skipped steps too")
+        if "update" not in log.events:
+            raise ExerciseFailed(f"{what}: {cause}; after this skipped step the scale should back off from {scale_before:g} to "
+                                 f"{ref.scaler.get_scale():g}, it is {mine.scaler.get_scale():g}: call scaler.update() on skipped steps too")
+        raise ExerciseFailed(f"{what}: {cause}; after this skipped step the scale should be {ref.scaler.get_scale():g}, "
+                             f"it is {mine.scaler.get_scale():g}")
 
 
 def _judge_amp_step(what, dtype, step, mine, ref, got, want, watch, caught, weights_before,
@@ -823,6 +1060,7 @@ def _judge_amp_step(what, dtype, step, mine, ref, got, want, watch, caught, weig
     if not isinstance(got, bool):
         raise ExerciseFailed(f"{what} returned {type_name(got) if got is not None else 'None'}, expected a Python bool: "
                              "True when the weights were updated, False when the step was skipped")
+    _judge_order(what, dtype, watch)
     if not want:  # the reference skipped this step
         _judge_skip(what, dtype, _skip_cause(step, nan_step, overflow_step), mine, ref, got, watch, weights_before, scale_before)
         return
@@ -834,13 +1072,32 @@ def _judge_amp_step(what, dtype, step, mine, ref, got, want, watch, caught, weig
                 continue
             simulated = _AmpRun.from_state(dtype, before)
             _amp_variant(simulated, x.clone(), y.clone(), variant)
-            if _first_difference(after, _params(simulated.model), _AMP_ATOL) is None:
+            if _same_step(mine, after, simulated):
                 raise ExerciseFailed(f"{what}: {message}")
-    _judge_good_step(what, got, watch, mine, ref, name, after, expected)
+    _judge_good_step(what, got, watch, mine, ref, name, after, expected, _AMP_MAX_NORM, scale_before)
+
+
+def _same_step(mine: _AmpRun, after: dict[str, torch.Tensor], simulated: _AmpRun) -> bool:
+    """The learner's step is the simulated one: the same weights after it, and the same gradients read by the optimizer."""
+    if _first_difference(after, _params(simulated.model), _AMP_ATOL) is not None:
+        return False
+    return _same_grads(mine.grads_at_step, simulated.grads_at_step)
+
+
+def _same_grads(got: dict[str, torch.Tensor] | None, expected: dict[str, torch.Tensor] | None) -> bool:
+    """Equal gradients, relative to the size of the expected ones (a mistake can make them thousands of times smaller)."""
+    if got is None or expected is None or got.keys() != expected.keys():
+        return got is None and expected is None
+    size = max((g.abs().max().item() for g in expected.values()), default=0.0)
+    return all(torch.allclose(got[k], expected[k], rtol=1e-2, atol=1e-2 * size + 1e-30) for k in expected)
+
+
+def _total_norm(grads: dict[str, torch.Tensor]) -> float:
+    return nn.utils.get_total_norm(list(grads.values())).item() if grads else 0.0
 
 
 def _judge_good_step(what: str, got: bool, watch: "_Watch", mine: _AmpRun, ref: _AmpRun, name: str | None,
-                     after: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+                     after: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], max_norm: float, scale: float) -> None:
     """A step the reference took: one optimizer step, True returned, the reference's weights and scale."""
     if not watch.steps:
         raise ExerciseFailed(f"{what}: the loss and the gradients of this step are finite in the reference solution, but your "
@@ -850,6 +1107,17 @@ def _judge_good_step(what: str, got: bool, watch: "_Watch", mine: _AmpRun, ref: 
     if not got:
         raise ExerciseFailed(f"{what}: the weights were updated, but you returned False: return True when the step was taken")
     if name is not None:
+        if not _same_grads(mine.grads_at_step, ref.grads_at_step):
+            norm, want = _total_norm(mine.grads_at_step), _total_norm(ref.grads_at_step)
+            if mine.scaler.is_enabled() and math.isclose(norm, max_norm / scale, rel_tol=1e-2):
+                raise ExerciseFailed(f"{what}: the gradients the optimizer stepped with have a total norm of {norm:.4g}, which is "
+                                     f"max_norm / scale = {max_norm:g} / {scale:g}: they were clipped while still scaled, then "
+                                     "unscaled; call scaler.unscale_(optimizer) first (after the last backward), then clip")
+            if norm == 0:
+                raise ExerciseFailed(f"{what}: the gradients the optimizer stepped with were all 0, expected a total norm of "
+                                     f"{want:.4g} (after clipping to max_norm)")
+            raise ExerciseFailed(f"{what}: the gradients the optimizer stepped with have a total norm of {norm:.4g}, expected "
+                                 f"{want:.4g} (after clipping to max_norm)")
         expect_tensor(after[name], expected[name], what=f"parameter {name!r} after {what}", atol=_AMP_ATOL, rtol=0.0)
     if mine.scaler.get_scale() != ref.scaler.get_scale():
         raise ExerciseFailed(f"{what}: the scale is {mine.scaler.get_scale():g}, expected {ref.scaler.get_scale():g} "
@@ -891,7 +1159,38 @@ _RESUME_HINTS = {
                                        "when the checkpoint holds one, and otherwise keep the fresh scaler you were given"),
     "Unexpected key(s) in state_dict": "each object takes its own entry: model.load_state_dict(checkpoint['model']), and so on",
     "Weights only load failed": "the file holds only tensors, dicts and numbers: torch.load(path, weights_only=True) reads it",
+    "_scale is None": ("the scaler you were given is fresh and has no scale yet, so update() cannot set one: restore its whole "
+                       "state with scaler.load_state_dict(checkpoint['scaler'])"),
+    "on a CUDA device but torch.cuda.is_available() is False": "this machine has no GPU: load to the CPU, map_location='cpu'",
 }
+
+
+class _LoadLog:
+    """Wraps the load_state_dict of the caller's model, optimizer and scaler: which ran, and what each raised."""
+
+    def __init__(self, **objects: Any):
+        self.calls: list[tuple[str, BaseException | None]] = []
+        for name, obj in objects.items():
+            obj.load_state_dict = self._recorded(name, obj.load_state_dict)
+
+    def _recorded(self, name: str, method: Callable) -> Callable:
+        def run(*args, **kwargs):
+            try:
+                result = method(*args, **kwargs)
+            except BaseException as err:
+                self.calls.append((name, err))
+                raise
+            self.calls.append((name, None))
+            return result
+        return run
+
+    def swallowed(self) -> str:
+        """The first error a load_state_dict raised inside the learner's function, which their code caught; '' if none."""
+        name, err = next(((n, e) for n, e in self.calls if e is not None), ("", None))
+        if err is None:
+            return ""
+        return (f"; inside your function, {name}.load_state_dict raised {type(err).__name__} ({first_line(err)}), and your code "
+                "caught it, so what came after it never ran")
 
 
 class _LoadWatch:
@@ -906,12 +1205,13 @@ class _LoadWatch:
         return self.real(*args, **kwargs)
 
 
-def _resume_fault(what: str, resumed: _AmpRun, saved: dict, fresh_state: dict, resume_dtype: torch.dtype) -> None:
+def _resume_fault(what: str, resumed: _AmpRun, saved: dict, fresh_state: dict, resume_dtype: torch.dtype, swallowed: str = "") -> None:
     """The model, the optimizer and the scaler after resume_amp, against what each should hold."""
     if not _same_tree(resumed.model.state_dict(), saved["model"]):
-        raise ExerciseFailed(f"{what}: the model's weights are not the saved ones: load checkpoint['model'] into the model you were given")
+        raise ExerciseFailed(f"{what}: the model's weights are not the saved ones{swallowed}: load checkpoint['model'] into the "
+                             "model you were given")
     if not _same_tree(resumed.optimizer.state_dict(), saved["optimizer"]):
-        raise ExerciseFailed(f"{what}: the optimizer's state (its momentum buffers) is not the saved one: "
+        raise ExerciseFailed(f"{what}: the optimizer's state (its momentum buffers) is not the saved one{swallowed}: "
                              "load checkpoint['optimizer'] into the optimizer you were given")
     state = resumed.scaler.state_dict()
     if resume_dtype != torch.float16:
@@ -932,6 +1232,19 @@ def _resume_fault(what: str, resumed: _AmpRun, saved: dict, fresh_state: dict, r
                              f"you were given should stay as it was, {fresh_state}; it is now {state}")
 
 
+def _call_resume(fn: Callable, args: tuple, shown: str, resumed: _AmpRun, resume_dtype: torch.dtype) -> Any:
+    """The learner's resume_amp through call(), with what their own objects show about an error it raised."""
+    try:
+        return call(fn, *args, name="resume_amp", shown=shown, hints=_RESUME_HINTS)
+    except ExerciseFailed as err:
+        if resume_dtype != torch.float16 and resumed.scaler.is_enabled():
+            raise ExerciseFailed(f"{err} (the scaler you were given, disabled for this {_short(resume_dtype)} run, was switched "
+                                 "on: leave it disabled; loading into a disabled scaler does nothing)") from None
+        if " raised KeyError" in str(err):
+            raise ExerciseFailed(f"{err} (save_amp_checkpoint's keys are 'model', 'optimizer', 'scaler' and 'step')") from None
+        raise
+
+
 @exercise("resume_amp")
 @_restores_autocast
 def check_resume_amp(fn) -> None:
@@ -948,22 +1261,37 @@ def check_resume_amp(fn) -> None:
             resumed.scaler = torch.amp.GradScaler("cpu", init_scale=_RESUME_INIT_SCALE, growth_interval=_RESUME_GROWTH_INTERVAL,
                                                   enabled=resume_dtype == torch.float16)
             fresh_state = resumed.scaler.state_dict()
+            parameters = list(resumed.model.parameters())
             loads = _LoadWatch()
+            log = _LoadLog(model=resumed.model, optimizer=resumed.optimizer, scaler=resumed.scaler)
             with mock.patch.object(torch, "load", loads):
-                got = call(fn, path, resumed.model, resumed.optimizer, resumed.scaler, name="resume_amp", shown=shown,
-                           hints=_RESUME_HINTS)
+                got = _call_resume(fn, (path, resumed.model, resumed.optimizer, resumed.scaler), shown, resumed, resume_dtype)
         if False in loads.weights_only:
             raise ExerciseFailed(f"{what}: you read the file with torch.load(..., weights_only=False), which runs whatever code "
                                  "a file carries: this one holds only tensors, dicts and numbers, so read it with weights_only=True")
+        if "default" in loads.weights_only:
+            raise ExerciseFailed(f"{what}: you called torch.load without weights_only=True: pass it, as the exercise asks; it is "
+                                 "the default only since torch 2.6, and saying it keeps a file from running code on any version")
         if isinstance(got, torch.Tensor) and got.numel() == 1 and got.item() == step:
             raise ExerciseFailed(f"{what} returned a tensor, expected the Python int {step}")
         if isinstance(got, int) and not isinstance(got, bool) and got == step + 1:
             raise ExerciseFailed(f"{what} returned {got}, expected {step}: return the step stored in the checkpoint, not the next one")
         expect_equal(got, step, what=what)
-        _resume_fault(what, resumed, saved, fresh_state, resume_dtype)
+        if any(p is not q for p, q in zip(resumed.model.parameters(), parameters)) or len(list(resumed.model.parameters())) != len(parameters):
+            raise ExerciseFailed(f"{what}: the model's parameters were replaced by new tensors (load_state_dict(..., assign=True) "
+                                 "does that), so the optimizer you were given no longer holds them and would train nothing: "
+                                 "load without assign, which copies the saved values into the existing parameters")
+        if any(not m.training for m in resumed.model.modules()):
+            raise ExerciseFailed(f"{what}: the model is now in eval mode; it was in training mode: a resumed run goes on "
+                                 "training, so leave the model's mode as the caller set it")
+        _resume_fault(what, resumed, saved, fresh_state, resume_dtype, log.swallowed())
         if saved_dtype == resume_dtype:  # the real test: the resumed run goes on exactly as the uninterrupted one
             _continue(original, 4, seed=802)
-            _continue(resumed, 4, seed=802)
+            try:
+                _continue(resumed, 4, seed=802)
+            except Exception as err:  # noqa: BLE001 -- what the learner's resumed objects did, reported as theirs
+                raise ExerciseFailed(f"{what}: after your resume_amp, training on raised {type(err).__name__}: "
+                                     f"{first_line(err)}") from None
             if not _same_tree(_params(resumed.model), _params(original.model)) or resumed.scaler.state_dict() != original.scaler.state_dict():
                 raise ExerciseFailed(f"{what}: the resumed run does not go on as the uninterrupted run does")
 
@@ -985,10 +1313,11 @@ def _accumulate_batches(dtype: torch.dtype) -> tuple[list[list[tuple[torch.Tenso
 
 
 def _accumulate_variant(run: _AmpRun, micro: list, variant: str) -> None:
-    """One accumulation step done one of the typical wrong ways (the diagnosis compares the learner's weights with these)."""
+    """One accumulation step done one of the typical wrong ways (the diagnosis compares the learner's step with these)."""
     model, optimizer, scaler, dtype = run.model, run.optimizer, run.scaler, run.dtype
     total, k = sum(len(y) for _, y in micro), len(micro)
-    weight = {"mean_of_means": lambda n: 1 / k, "sum_of_means": lambda n: 1.0}.get(variant, lambda n: n / total)
+    weight = {"mean_of_means": lambda n: 1 / k, "sum_of_means": lambda n: 1.0,
+              "over_total": lambda n: 1 / total}.get(variant, lambda n: n / total)
     if variant != "no_zero":
         optimizer.zero_grad(set_to_none=True)
     for x, y in micro:
@@ -1009,13 +1338,15 @@ def _accumulate_variant(run: _AmpRun, micro: list, variant: str) -> None:
 
 
 def _accumulate_mistakes(micro: list) -> list[tuple[str, str]]:
-    sizes, k = [len(y) for _, y in micro], len(micro)
+    sizes, k, total = [len(y) for _, y in micro], len(micro), sum(len(y) for _, y in micro)
     return [
         ("mean_of_means", f"each micro-batch's loss was divided by the number of micro-batches, {k}, which weights every sample of a "
                           f"smaller micro-batch more (sizes here: {sizes}): weight each loss by its share of the samples, "
                           "len(targets) / (all the samples of the step)"),
         ("sum_of_means", f"the {k} micro-batch losses were added up unweighted, so the gradient is that of their sum, not of the "
                          "mean over all the samples: weight each loss by its share of the samples"),
+        ("over_total", f"each micro-batch's loss, already a mean over its own samples, was divided by all the samples of the step, "
+                       f"{total}: weight it by its share instead, len(targets) / {total}"),
         ("zero_each", "the gradients were cleared before each micro-batch, so only the last one counted: clear them once, "
                       "before the first micro-batch"),
         ("no_clip", "the gradients were not clipped: clip their total norm to max_norm after the last micro-batch"),
@@ -1025,23 +1356,9 @@ def _accumulate_mistakes(micro: list) -> list[tuple[str, str]]:
     ]
 
 
-class _UpdateCounter:
-    """Counts the calls of one scaler's update(): all micro-batches of a step must see one scale."""
-
-    def __init__(self, scaler: torch.amp.GradScaler):
-        self.calls, self.update = 0, scaler.update
-        scaler.update = self
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.update(*args, **kwargs)
-
-
 _ACC_HINTS = {**_AMP_HINTS,
               "unscale_() has already been called": "unscale_ once per step, after the last micro-batch's backward: "
-                                                    "the scaled gradients of every micro-batch must be added up first",
-              "No inf checks were recorded": ("scaler.update() ran before this step's scaler.unscale_(optimizer): update "
-                                              "once per step, after the last micro-batch, unscale_ and step, never per micro-batch")}
+                                                    "the scaled gradients of every micro-batch must be added up first"}
 
 
 @exercise("accumulate_step")
@@ -1054,26 +1371,27 @@ def check_accumulate_step(fn) -> None:
 def _check_accumulate_precision(fn: Callable, dtype: torch.dtype) -> None:
     steps, nan_step, overflow_step = _accumulate_batches(dtype)
     mine, ref = _AmpRun(dtype), _AmpRun(dtype)
-    watch, updates = _Watch(mine), _UpdateCounter(mine.scaler)
+    watch = _Watch(mine)
     scaler_note = "enabled" if dtype == torch.float16 else "disabled"
     for step, micro in enumerate(steps):
         sizes = [len(y) for _, y in micro]
-        shown = (f"model, {len(micro)} micro-batches of {', '.join(map(str, sizes))} rows, F.cross_entropy, optimizer, "
+        shown = (f"model, {len(micro)} micro-batch{'es' if len(micro) > 1 else ''} of {', '.join(map(str, sizes))} rows, "
+                 "F.cross_entropy, optimizer, "
                  f"scaler ({scaler_note}), {dtype}, max_norm={_ACC_MAX_NORM}")
-        what = f"accumulate_step with dtype={dtype}, step {step} ({len(micro)} micro-batches of {sizes} rows)"
+        what = (f"accumulate_step with dtype={dtype}, step {step} "
+                f"({len(micro)} micro-batch{'es' if len(micro) > 1 else ''} of {sizes} rows)")
         before = mine.state()  # the mistakes are simulated from the learner's own state, which may differ within tolerance
         mine.overflow = ref.overflow = step == overflow_step
         want = accumulate_step(ref.model, [(x.clone(), y.clone()) for x, y in micro], F.cross_entropy, ref.optimizer,
                                ref.scaler, dtype, _ACC_MAX_NORM)
         watch.clear()
-        updates.calls = 0
         weights_before, scale_before = _params(mine.model), mine.scaler.get_scale()
         given = [(x.clone(), y.clone()) for x, y in micro]
         listed = list(given)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got = call(fn, mine.model, listed, watch.cross_entropy, mine.optimizer, mine.scaler, dtype, _ACC_MAX_NORM,
-                       name="accumulate_step", shown=shown, hints=_ACC_HINTS)
+            got = _call_step(fn, (mine.model, listed, watch.cross_entropy, mine.optimizer, mine.scaler, dtype, _ACC_MAX_NORM),
+                             "accumulate_step", shown, watch, _ACC_HINTS, per_micro_batch=True)
         mine.overflow = False
         if listed != given or any(not torch.equal(a, x) or not torch.equal(b, y) for (a, b), (x, y) in zip(given, micro)):
             raise ExerciseFailed(f"{what}: the caller's list of micro-batches, or a tensor in it, changed: leave them as they were")
@@ -1090,9 +1408,10 @@ def _check_accumulate_precision(fn: Callable, dtype: torch.dtype) -> None:
                                  "True when the weights were updated, False when the step was skipped")
         if watch.steps > 1:
             raise ExerciseFailed(f"{what}: the optimizer stepped {watch.steps} times in one call: step once, after the last micro-batch")
-        if updates.calls > 1:
-            raise ExerciseFailed(f"{what}: scaler.update() ran {updates.calls} times in one call: every micro-batch of a step must "
-                                 "be scaled by the same scale, so update once, after the step")
+        if watch.log.count("update") > 1:
+            raise ExerciseFailed(f"{what}: scaler.update() ran {watch.log.count('update')} times in one call: every micro-batch "
+                                 "of a step must be scaled by the same scale, so update once, after the step")
+        _judge_order(what, dtype, watch)
         if not want:
             cause = ("the loss of one micro-batch was NaN (an inf in its inputs)" if step == nan_step else
                      _skip_cause(step, nan_step, overflow_step))
@@ -1107,6 +1426,6 @@ def _check_accumulate_precision(fn: Callable, dtype: torch.dtype) -> None:
                     continue
                 simulated = _AmpRun.from_state(dtype, before)
                 _accumulate_variant(simulated, [(x.clone(), y.clone()) for x, y in micro], variant)
-                if _first_difference(after, _params(simulated.model), _AMP_ATOL) is None:
+                if _same_step(mine, after, simulated):
                     raise ExerciseFailed(f"{what}: {message}")
-        _judge_good_step(what, got, watch, mine, ref, name, after, expected)
+        _judge_good_step(what, got, watch, mine, ref, name, after, expected, _ACC_MAX_NORM, scale_before)

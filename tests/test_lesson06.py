@@ -64,17 +64,19 @@ def f32_itemsize(fn, *args):
 
 
 def f32_manual_restore(fn, *args):
-    was_on = torch.is_autocast_enabled("cpu")
-    torch.set_autocast_enabled("cpu", False)
+    device = next(a.device.type for a in args if torch.is_tensor(a))
+    was_on = torch.is_autocast_enabled(device)
+    torch.set_autocast_enabled(device, False)
     try:
         return fn(*[a.float() if torch.is_tensor(a) and a.dtype in (torch.half, torch.bfloat16) else a for a in args])
     finally:
-        torch.set_autocast_enabled("cpu", was_on)
+        torch.set_autocast_enabled(device, was_on)
 
 
 def f32_decorated(fn, *args):
+    (device,) = {a.device.type for a in args if isinstance(a, torch.Tensor)}
     args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float64 else a for a in args]
-    return torch.autocast("cpu", enabled=False)(fn)(*args)
+    return torch.autocast(device, enabled=False)(fn)(*args)
 
 
 def f32_loop(fn, *args):
@@ -83,7 +85,8 @@ def f32_loop(fn, *args):
         if isinstance(a, torch.Tensor) and a.dtype in HALF:
             a = a.type(torch.float32)
         ready.append(a)
-    with torch.autocast(args[0].device.type, enabled=False):
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    with torch.autocast(tensors[0].device.type, enabled=False):
         result = fn(*ready)
     return result
 
@@ -136,10 +139,11 @@ def f32_switched_back_on(fn, *args):
 
 
 def f32_restored_without_finally(fn, *args):
-    was_on = torch.is_autocast_enabled("cpu")
-    torch.set_autocast_enabled("cpu", False)
+    device = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+    was_on = torch.is_autocast_enabled(device)
+    torch.set_autocast_enabled(device, False)
     result = fn(*[a.float() if isinstance(a, torch.Tensor) and a.dtype in HALF else a for a in args])
-    torch.set_autocast_enabled("cpu", was_on)
+    torch.set_autocast_enabled(device, was_on)
     return result
 
 
@@ -453,7 +457,7 @@ def resume_checking_the_precision(path, model, optimizer, scaler):
 
 def resume_from_a_file_object(path, model, optimizer, scaler):
     with open(path, "rb") as file:
-        checkpoint = torch.load(file)  # weights_only=True is the default
+        checkpoint = torch.load(file, weights_only=True)
     for obj, key in ((model, "model"), (optimizer, "optimizer")):
         obj.load_state_dict(checkpoint[key])
     try:
@@ -705,14 +709,14 @@ WRONG = [
     (L.check_run_in_float32, f32_on_cuda, "autocast was still on while fn ran.*for the tensors' device type"),
     (L.check_run_in_float32, f32_casting_float64_down, r"fn received b \(float64 in the call\) as float32: cast only bfloat16 and float16"),
     (L.check_run_in_float32, f32_casting_everything, r"fn received index \(int64 in the call\) as float32"),
-    (L.check_run_in_float32, f32_detached, "does not require grad, so no gradient reaches a"),
-    (L.check_run_in_float32, f32_no_grad, "does not require grad"),
+    (L.check_run_in_float32, f32_detached, r"fn received a detached copy of a \(requires_grad=False\), so no gradient reaches the caller's a"),
+    (L.check_run_in_float32, f32_no_grad, r"gradient recording was off while fn ran \(torch.no_grad\(\) or torch.inference_mode\(\) around it\)"),
     (L.check_run_in_float32, f32_left_off, "autocast was off after your function returned"),
     (L.check_run_in_float32, f32_switched_back_on, "outside autocast: autocast was on after your function returned, though it was off before"),
     (L.check_run_in_float32, f32_restored_without_finally, "when fn raised, autocast stayed switched off in the caller"),
     (L.check_run_in_float32, f32_swallowing_errors, "when fn raised, your function returned normally"),
     (L.check_run_in_float32, f32_twice, "fn was called 2 times: call it once"),
-    (L.check_run_in_float32, f32_cast_back, "expected dtype torch.float32, got torch.bfloat16"),
+    (L.check_run_in_float32, f32_cast_back, "fn returned a float32 tensor, and your function returned it converted to bfloat16"),
     (L.check_run_in_float32, f32_float_everything, "raised AttributeError: 'float' object has no attribute 'float'"),
     (L.check_run_in_float32, f32_resetting_the_dtype, "autocast's dtype was bfloat16 after your function returned, expected float16"),
     (L.check_run_in_float32, lambda fn, *args: fn, "fn was never called"),
@@ -726,7 +730,7 @@ WRONG = [
     (L.check_loss_scale_schedule, schedule_doubling_on_inf, "after step 3 \\(found_inf=True\\) the scale should be 8"),
     (L.check_loss_scale_schedule, lambda f, s, g: L.loss_scale_schedule(f, s, g)[:-1], "one scale per step"),
     (L.check_loss_scale_schedule, lambda f, s, g: None, "is None"),
-    (L.check_loss_scale_schedule, schedule_ints, r"\[True, True, False, True\], init_scale=2, growth_interval=3\): after step 1 .*should be 0.5, got 0: a step with an inf/NaN halves the scale \(backoff_factor 0.5\), from 1 to 0.5"),
+    (L.check_loss_scale_schedule, schedule_ints, r"\[True, True, False, True\], init_scale=2, growth_interval=3\): after step 1 the scale should be 0.5, got 0: the value was rounded down, as // and int\(\) do"),
     (L.check_loss_scale_schedule, schedule_consuming_the_list, "changed the caller's list found_inf \\(now \\[\\]\\): only read it"),
     (L.check_loss_scale_schedule, lambda f, s, g: [s] * len(f), ("after step 1 \\(found_inf=False\\) the scale should be 16, got 8.0: this step completes "
                                                                  "growth_interval=2 good steps in a row .*so the scale doubles \\(growth_factor 2.0\\), from 8 to 16")),
