@@ -21,6 +21,8 @@ import nbformat
 import psutil
 import pytest
 
+from course_utils.tooling.publish import SETUP_TAG
+
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "build" / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -280,7 +282,7 @@ def test_a_broken_cell_unsaved_work_and_a_reset_beside_the_open_tab(course_lab, 
     work = course_lab["dir"] / "work"
     path = work / "00_orientation.ipynb"
     nb = nbformat.read(path, as_version=4)
-    setup = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+    setup = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and SETUP_TAG not in c.metadata.get("tags", []))  # the imports
     code = next(i for i, c in enumerate(nb.cells) if any(t.startswith("exercise:") for t in c.metadata.get("tags", [])))
     name = next(t for t in nb.cells[code].metadata["tags"] if t.startswith("exercise:")).split(":", 1)[1]
     check = next(i for i, c in enumerate(nb.cells) if f"check:{name}" in c.metadata.get("tags", []))

@@ -10,6 +10,7 @@ import pytest
 from course_utils.tooling import cellruns
 from course_utils.tooling.checks import call, exercise, expect_equal
 from course_utils.tooling.layout import learner_path, source_for
+from course_utils.tooling.publish import SETUP_TAG
 from course_utils.tooling.verdicts import Verdict
 
 STUB = "raise NotImplementedError()"
@@ -126,7 +127,7 @@ def test_the_plugin_words_an_error_output_the_same_way():
 def test_the_notebook_and_the_checker_give_one_verdict_on_the_same_broken_cell(tmp_path, monkeypatch):
     """A learner's answer with a missing bracket: its check cell in a JupyterLab kernel and `course_utils check` say the same line."""
     nb = nbformat.read(learner_path(source_for("00")), as_version=4)
-    setup = next(c for c in nb.cells if c.cell_type == "code")
+    setup = next(c for c in nb.cells if c.cell_type == "code" and SETUP_TAG not in c.metadata.get("tags", []))  # the imports
     code = next(c for c in nb.cells if any(t.startswith("exercise:") for t in c.metadata.get("tags", [])))
     name = next(t for t in code.metadata["tags"] if t.startswith("exercise:")).split(":", 1)[1]
     check = next(c for c in nb.cells if f"check:{name}" in c.metadata.get("tags", []))
