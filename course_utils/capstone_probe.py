@@ -24,6 +24,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -370,6 +371,19 @@ def rank_server() -> None:
         out.flush()
 
 
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGALRM and SIGUSR2 (the checks' time limit) and SIGINT until the block ends; they are delivered then."""
+    held = {signal.SIGALRM, signal.SIGUSR2, signal.SIGINT}
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 class RankServer:
     """The kernel's end of rank_server: start it, launch runs through it, stop it (a context manager)."""
 
@@ -423,18 +437,15 @@ class RankServer:
         return runs
 
     def close(self) -> None:
-        """Stop the server and everything it started."""
-        with contextlib.suppress(OSError, ValueError):
-            self.process.stdin.close()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-        with contextlib.suppress(OSError, ValueError):
-            self.process.stdout.close()
+        """Stop the server and every rank it runs (they die with it), whatever interrupts this."""
+        with _signals_held():  # a check's time limit raises again and again once past: it must not cut this short
+            with contextlib.suppress(OSError, ValueError):
+                self.process.stdin.close()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            with contextlib.suppress(OSError, ValueError):
+                self.process.stdout.close()
 
     def __enter__(self) -> "RankServer":
         return self

@@ -86,7 +86,7 @@ def demo(fn: Callable):
             raise
         print(f"skipped: {stub[0]} in {Path(stub[1]).name} is not written yet")
     except Exception as err:  # noqa: BLE001 -- the learner's code: shown, not raised
-        print(f"your code raised {type(err).__name__}: {first_line(err)}{_where_in_learner(err)}")
+        print(f"your code raised {type(err).__name__}: {_line(err)}{_where_in_learner(err)}")
     return None
 
 
@@ -357,11 +357,16 @@ def _learner_call(fn: Callable, *args, what: str) -> object:
     except NotImplementedError as err:
         if stub_frame(err) is not None:
             raise
-        raise ExerciseFailed(f"{what} raised NotImplementedError: {first_line(err)}{_where_in_learner(err)}") from None
+        raise ExerciseFailed(f"{what} raised NotImplementedError: {_line(err)}{_where_in_learner(err)}") from None
     except (ExerciseFailed, KeyboardInterrupt, SystemExit):
         raise
     except Exception as err:  # noqa: BLE001 -- the learner's error
-        raise ExerciseFailed(f"{what} raised {type(err).__name__}: {first_line(err)}{_where_in_learner(err)}") from None
+        raise ExerciseFailed(f"{what} raised {type(err).__name__}: {_line(err)}{_where_in_learner(err)}") from None
+
+
+def _line(err: BaseException) -> str:
+    """The first line of an error's message, without terminal colour codes (the ONNX exporter's have them)."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", first_line(err))
 
 
 def _where_in_learner(err: BaseException) -> str:
@@ -979,7 +984,7 @@ def _judge_launch(runs: list, stage: str, timeout: float, grace: float) -> None:
     if stopped:
         done = next(run for run in runs if not run.stopped)
         raise ExerciseFailed(f"{stage}: rank {stopped[0].rank} was still running {grace:g} s after rank {done.rank} had ended, and "
-                             f"was stopped: it waited in a collective that rank {done.rank} never called (one inside `if rank == 0:`?)")
+                             f"was stopped: does it wait in a collective that rank {done.rank} never called (one inside `if rank == 0:`)?")
     for run in runs:
         if run.record is None:
             code = run.returncode
@@ -1294,23 +1299,23 @@ def _judge_scale(script: Path, two: list, one: list) -> None:
             if any(f["autocast"] and f["dtype"] != "torch.float32" for f in run.record["forwards"]):
                 raise ExerciseFailed("scale: with --precision fp32, the forward still ran under bfloat16 autocast")
     distributed, single = _flat_grads(two[0].record), _flat_grads(one[0].record)
-    off = _relative(distributed, single)
-    if off <= SCALE_TOLERANCE:
-        return
     record = dict(two[0].record)
     record["batches"] = [next(f["tokens"] for f in run.record["forwards"] if f["step"] == 0) for run in two]
     sizes = {"d_model": int(TRAIN_MODEL["--d-model"]), "n_heads": int(TRAIN_MODEL["--heads"]), "n_layers": int(TRAIN_MODEL["--layers"])}
-    hypotheses = _scale_hypotheses(script, record, sizes)
-    stated = (f"one step on 2 ranks x {len(SCALE_PROBLEMS) // 2} problems gave other gradients than one process on all "
-              f"{len(SCALE_PROBLEMS)} (relative difference {off:.2g}, tolerance {SCALE_TOLERANCE:g})")
-    if _relative(single, hypotheses["global"]) > 1e-3:
-        cosine = F.cosine_similarity(single, hypotheses["global"], dim=0).item()
-        if cosine > 1 - 1e-6:
-            ratio = (single.norm() / hypotheses["global"].norm()).item()
+    hypotheses = _scale_hypotheses(script, record, sizes)  # computed here, in float32, from the ranks' own batches
+    right = hypotheses["global"]
+    if _relative(single, right) > SCALE_TOLERANCE:
+        if F.cosine_similarity(single, right, dim=0).item() > 1 - 1e-6:
+            ratio = (single.norm() / right.norm()).item()
             raise ExerciseFailed(f"scale: in one process, the gradient is {ratio:.3g} times that of the mean cross-entropy over the "
                                  "batch's answer tokens: divide the summed loss by the number of answer tokens (targets != IGNORE)")
         raise ExerciseFailed(f"scale: in one process, the gradient is not that of the mean cross-entropy over the batch's answer "
-                             f"tokens (relative difference {_relative(single, hypotheses['global']):.2g})")
+                             f"tokens (relative difference {_relative(single, right):.2g})")
+    off = _relative(distributed, single)
+    if off <= SCALE_TOLERANCE:
+        return
+    stated = (f"one step on 2 ranks x {len(SCALE_PROBLEMS) // 2} problems gave other gradients than one process on all "
+              f"{len(SCALE_PROBLEMS)} (relative difference {off:.2g}, tolerance {SCALE_TOLERANCE:g})")
     if _relative(distributed, hypotheses["means"]) < 1e-3:
         raise ExerciseFailed(f"scale: {stated}: each rank took the mean over its own answer tokens, and DDP averaged those means, "
                              "so a token on the rank with fewer counts more; divide each rank's summed loss by the answer tokens "
@@ -1318,21 +1323,37 @@ def _judge_scale(script: Path, two: list, one: list) -> None:
     if _relative(distributed, hypotheses["rank 0"]) < 1e-3:
         raise ExerciseFailed(f"scale: {stated}: rank 0 stepped with its own gradient; run the forward through the DDP model, which "
                              "averages the gradients")
-    cosine = F.cosine_similarity(distributed, hypotheses["global"], dim=0).item()
-    if cosine > 1 - 1e-6:
-        ratio = (distributed.norm() / hypotheses["global"].norm()).item()
+    if F.cosine_similarity(distributed, right, dim=0).item() > 1 - 1e-6:
+        ratio = (distributed.norm() / right.norm()).item()
         raise ExerciseFailed(f"scale: {stated}: the gradient on 2 ranks is {ratio:.3g} times the right one (DDP averages the ranks' "
                              "gradients: scale each rank's loss by the world size once)")
     raise ExerciseFailed(f"scale: {stated}")
 
 
-def _judge_accuracy(trained) -> None:
-    if trained is None:
-        raise ExerciseFailed("accuracy: no trained model: run the cells above that launch your training and load its last checkpoint")
-    if not isinstance(trained, nn.Module):
-        raise ExerciseFailed(f"accuracy: expected your trained TinyGPT, got {a_type(trained)}")
+RUN_FOLDER = "run"   # where the notebook's launch puts its checkpoints, beside the learner's files
+
+
+def _trained_model(script: Path) -> nn.Module:
+    """The model of the notebook's training run: capstone_model's TinyGPT with the script's default sizes, its weights
+    from the latest checkpoint in run/ beside the script."""
+    folder = script.parent / RUN_FOLDER
+    last = latest_checkpoint(folder)
+    if last is None:
+        raise ExerciseFailed(f"accuracy: there is no checkpoint in {RUN_FOLDER}/ beside your script: run the launch cell above, "
+                             "which trains your script, and let it finish")
+    module = _learner_module(script.with_name("capstone_model.py"), "capstone_model")
+    model = _build(module.TinyGPT, LESSON_SIZES)
+    checkpoint = _load_checkpoint(last, "accuracy")
+    try:
+        model.load_state_dict(checkpoint.get("model", {}))
+    except Exception as err:  # noqa: BLE001 -- the learner's checkpoint
+        raise ExerciseFailed(f"accuracy: {RUN_FOLDER}/{last.name}['model'] does not load into TinyGPT({_sizes(LESSON_SIZES, 0.0)}), "
+                             f"the script's default sizes ({type(err).__name__}: {_line(err)[:90]})") from None
+    return model.eval()
+
+
+def _judge_accuracy(trained: nn.Module) -> None:
     problems = addition.problems_by_carries(ACCURACY_PROBLEMS, seed=20_260_611)
-    trained.eval()
     answers = _learner_call(greedy, trained, prompts_of(problems), MAX_ANSWER, what="your trained model")
     by_carries = accuracy_by_carries(answers, problems)
     shown = ", ".join(f"{c}: {a:.0%}" for c, a in by_carries.items())
@@ -1343,9 +1364,25 @@ def _judge_accuracy(trained) -> None:
                              f"carry count is needed, and {low[0]} carries got less")
 
 
+def _untouched(script: Path) -> bool:
+    """Whether main() is still the skeleton: nothing after parsing the arguments but the stub (no rank need start to tell)."""
+    try:
+        tree = ast.parse(script.read_text(encoding="utf-8", errors="replace"))
+    except SyntaxError:
+        return False
+    main = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"), None)
+    if main is None:
+        return False
+    parsed = [i for i, n in enumerate(main.body) if isinstance(n, ast.Assign) and "parse_args" in ast.unparse(n.value)]
+    rest = main.body[parsed[-1] + 1:] if parsed else main.body
+    return len(rest) == 1 and isinstance(rest[0], ast.Raise) and ast.unparse(rest[0]) == "raise NotImplementedError()"
+
+
 @exercise("capstone_train")
-def check_capstone_train(path, trained=None) -> None:
+def check_capstone_train(path) -> None:
     script = _expect_file(path, "capstone_train")
+    if _untouched(script):
+        raise ExerciseNotAttempted(not_attempted_message("capstone_train"))
     limit = exercise_seconds()
     timeout, grace = max(5.0, limit / 3), 5.0
     problems = addition.problems(24, seed=2_468)
@@ -1372,4 +1409,5 @@ def check_capstone_train(path, trained=None) -> None:
         _judge_launch(one, "scale", timeout, grace)
         with _stubs("capstone_train", script.parent):
             _judge_scale(script, two, one)
-    _judge_accuracy(trained)
+    with _stubs("capstone_train", script.parent):
+        _judge_accuracy(_trained_model(script))

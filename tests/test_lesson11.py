@@ -7,8 +7,6 @@ it, with the same contract), and the checks that export to ONNX are run in full 
 tested; `test_the_real_checks_on_the_notebooks_files` runs every check as the checker does, once.
 """
 
-import contextlib
-import ctypes
 import os
 import subprocess
 import sys
@@ -21,7 +19,6 @@ import torch
 
 from course_utils import addition, capstone_probe
 from course_utils import lesson11 as L
-from course_utils.distributed import process_status
 from course_utils.tooling.build import stub
 from course_utils.tooling.checks import ExerciseFailed, ExerciseNotAttempted
 from lesson_contract import assert_names_fault, assert_passes
@@ -67,12 +64,10 @@ def shared_server():
 
 @pytest.fixture()
 def fast_train(monkeypatch, shared_server):
-    """check_capstone_train with the shared server in place of a new one (same class, same contract)."""
+    """check_capstone_train with the shared server in place of a new one (same class, same contract), and a model that
+    adds in place of the notebook's trained one (the accuracy stage only decodes with it; its own tests load real files)."""
 
     class Shared:
-        def __init__(self):
-            pass
-
         def __enter__(self):
             return shared_server
 
@@ -80,14 +75,7 @@ def fast_train(monkeypatch, shared_server):
             return None
 
     monkeypatch.setattr(capstone_probe, "RankServer", Shared)
-    monkeypatch.setenv("COURSE_EXERCISE_SECONDS", os.environ.get("COURSE_EXERCISE_SECONDS", "60"))
-
-
-@pytest.fixture(scope="module")
-def trained_model():
-    """A TinyGPT that the accuracy stage accepts: the course's own model, its weights set to answer correctly is not
-    possible, so the stand-in is a model that adds (the check only decodes with it)."""
-    return L.OracleAdder().eval()
+    monkeypatch.setattr(L, "_trained_model", lambda script: L.OracleAdder().eval())
 
 
 # capstone_data
@@ -370,3 +358,358 @@ def test_decode_alternatives_pass(name, tmp_path):
 def test_decode_wrong_answers_name_their_fault(name, tmp_path):
     text, message = DECODE_WRONG[name]
     assert_names_fault(L.check_capstone_decode, project(tmp_path, capstone_decode=text) / "capstone_decode.py", message)
+
+
+# capstone_train, on real ranks (the shared rank server), with problems, arguments and dropout the notebook never uses
+
+SAMPLER = "    sampler = DistributedSampler(dataset, seed=args.seed)\n"
+LOADER = "    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, collate_fn=collate, generator=torch.Generator())\n"
+SET_EPOCH = "        sampler.set_epoch(epoch)\n"
+AUTOCAST = '            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):\n'
+LOSS = "            loss = loss_sum * world_size / tokens        # DDP averages over the ranks: this gives the global mean\n"
+COUNT = "            dist.all_reduce(tokens)                      # the answer tokens of the global batch\n"
+CLIP = "            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)\n"
+SCHEDULER = "    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)\n"
+GATHER = "                dist.all_gather_object(states, rng_state())   # a collective: every rank takes part\n"
+SAVE_IF = "                if rank == 0:\n                    folder.mkdir(parents=True, exist_ok=True)\n"
+RNG_ENTRY = '"scheduler": scheduler.state_dict(), "rng": states, "losses": losses},\n'
+RESTORE_RNG = '        set_rng_state(checkpoint["rng"][rank])           # this rank\'s own random states\n'
+LATEST = "        checkpoint = torch.load(saved[-1], weights_only=True)\n"
+SKIP = "            if i < done_in_epoch:                        # trained before the checkpoint\n                continue\n"
+GROUPS = ('    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},\n'
+          '                                   {"params": vectors, "weight_decay": 0.0}], lr=args.lr)\n')
+DESTROY = "    dist.destroy_process_group()\n"
+SAVE_MODEL = '"model": model.state_dict()'
+
+TRAIN_ALTERNATIVES = {
+    "SequentialLR, gather_object to rank 0, a float count": edited(
+        "capstone_train",
+        (SCHEDULER, "    warm = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / args.warmup, total_iters=args.warmup - 1)\n"
+                    "    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps - args.warmup, eta_min=args.lr / 10)\n"
+                    "    scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warm, cosine], milestones=[args.warmup])\n"),
+        (GATHER, "                dist.gather_object(rng_state(), states if rank == 0 else None, dst=0)\n"),
+        ("            tokens = (targets != addition.IGNORE).sum()\n", "            tokens = (targets != addition.IGNORE).sum().float()\n"),
+        (LOSS, "            loss = loss_sum / (tokens / world_size)\n"),
+    ),
+    "a step function, an islice to resume, a seeded loader generator": edited(
+        "capstone_train",
+        ("import argparse\n", "import argparse\nimport itertools\n"),
+        (LOADER, LOADER.replace("generator=torch.Generator()", "generator=torch.Generator().manual_seed(args.seed)")),
+        ("        for i, (inputs, targets) in enumerate(loader):\n" + SKIP,
+         "        for inputs, targets in itertools.islice(loader, done_in_epoch, None):\n"),
+        (CLIP, "            torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm=args.clip, norm_type=2.0)\n"),
+        (SAVE_MODEL, '"model": ddp_model.module.state_dict()'),
+    ),
+    "its own random-state dict, torch.load's default, a try/finally": edited(
+        "capstone_train",
+        ("import argparse\n", "import argparse\nimport random\n\nimport numpy as np\n"),
+        (GATHER, '                mine = {"torch": torch.get_rng_state(), "python": random.getstate(),\n'
+                 '                        "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64))}\n'
+                 "                dist.all_gather_object(states, mine)\n"),
+        (RESTORE_RNG, '        mine = checkpoint["rng"][rank]\n        torch.set_rng_state(mine["torch"])\n'
+                      '        random.setstate((mine["python"][0], tuple(mine["python"][1]), mine["python"][2]))\n'
+                      "        state = list(np.random.get_state())\n"
+                      '        state[1] = mine["numpy"].numpy().astype(np.uint32)\n        np.random.set_state(tuple(state))\n'),
+        (LATEST, "        checkpoint = torch.load(max(saved, key=lambda p: int(p.stem.split('_')[1])))\n"),
+    ),
+}
+
+TRAIN_WRONG = {
+    "a missing set_epoch": (edited("capstone_train", (SET_EPOCH, "")),
+                            r"^capstone_train: training: rank 0 read its problems in the same order in all 4 epochs: call sampler\.set_epoch"),
+    "saving on every rank": (edited("capstone_train", (SAVE_IF, "                if True:\n                    folder.mkdir(parents=True, exist_ok=True)\n")),
+                             r"checkpoints: rank 1 called torch\.save too: only rank 0 writes the checkpoints"),
+    "a checkpoint without random states": (edited("capstone_train", (RNG_ENTRY, '"scheduler": scheduler.state_dict(), "losses": losses},\n'),
+                                                  (RESTORE_RNG, "")),
+                                           r"checkpoints: step_000004\.pt has no 'rng' entry: save every rank's random states too"),
+    "rank 0's random states only": (edited("capstone_train", (RNG_ENTRY, '"scheduler": scheduler.state_dict(), "rng": rng_state(), "losses": losses},\n'),
+                                           (RESTORE_RNG, '        set_rng_state(checkpoint["rng"])\n')),
+                                    r"checkpoints: step_000004\.pt\['rng'\] is a dict, expected a list of 2: every rank's random states"),
+    "rank 0's states restored on every rank": (edited("capstone_train", (RESTORE_RNG, '        set_rng_state(checkpoint["rng"][0])\n')),
+                                               r"resume: when the run resumed at step 9, rank 1's torch random state \(which dropout draws from\) was not"),
+    "the global generator in the DataLoader": (edited("capstone_train", (LOADER, LOADER.replace(", generator=torch.Generator()", ""))),
+                                               r"resume: .*torch random state was one draw past the one it saved: a new DataLoader iterator"),
+    "the first checkpoint, not the latest": (edited("capstone_train", (LATEST, LATEST.replace("saved[-1]", "saved[0]"))),
+                                             r"resume: rank 0 resumed from the checkpoint of step 4, but step 8's is the latest"),
+    "each epoch from its start": (edited("capstone_train", (SKIP, "")),
+                                  r"resume: when the run resumed at step 9, rank 0 trained on another batch than the uninterrupted run"),
+    "weights_only=False": (edited("capstone_train", (LATEST, LATEST.replace("weights_only=True", "weights_only=False"))),
+                           r"resume: torch\.load\(\.\.\., weights_only=False\) can run any code"),
+    "a mean of the ranks' means": (edited("capstone_train", (COUNT, ""), (LOSS, "            loss = loss_sum / tokens\n")),
+                                   r"scale: one step on 2 ranks x 4 problems .*each rank took the mean over its own answer tokens"),
+    "a loss averaged over every position, padding included": (edited("capstone_train", ("            tokens = (targets != addition.IGNORE).sum()\n",
+                                                                                        "            tokens = torch.tensor(targets.numel())\n")),
+                                   r"scale: in one process, the gradient is 0\.\d+ times that of the mean cross-entropy over the batch's answer tokens"),
+    "no clipping": (edited("capstone_train", (CLIP, "")), r"training: the gradient's norm at optimizer step 1 was .*above --clip 0\.05"),
+    "no autocast": (edited("capstone_train", (AUTOCAST, "            with torch.autocast(\"cpu\", enabled=False):\n")),
+                    r"training: with --precision bf16, rank 0's forward passes did not all run under torch\.autocast"),
+    "a constant learning rate": (edited("capstone_train", (SCHEDULER, "    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)\n")),
+                                 r"training: optimizer step 1 of 12 ran with lr 0\.02, expected 0\.00666667"),
+    "weight decay on everything": (edited("capstone_train", (GROUPS, "    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)\n")),
+                                   r"training: .* \(a bias or norm weight, 1-D\) has weight decay 0\.05, expected 0"),
+    "never leaves the process group": (edited("capstone_train", (DESTROY + "    ### END SOLUTION", "    ### END SOLUTION")),
+                                       r"training: rank 0 never called dist\.destroy_process_group\(\)"),
+    "saves the DDP wrapper's state": (edited("capstone_train", (SAVE_MODEL, '"model": ddp_model.state_dict()')),
+                                      r"checkpoints: step_000004\.pt\['model'\] has keys like 'module\."),
+    "no DDP": (edited("capstone_train", ("    ddp_model = DDP(model)\n", "    ddp_model = model\n")),
+               r"training: rank 0 never wrapped its TinyGPT in DistributedDataParallel"),
+}
+
+
+def test_the_reference_script_passes(tmp_path, fast_train, capsys):
+    L.check_capstone_train(project(tmp_path) / "capstone_train.py")
+    assert capsys.readouterr().out.strip() == "PASS capstone_train: all checks passed"
+
+
+@pytest.mark.parametrize("name", list(TRAIN_ALTERNATIVES))
+def test_train_alternatives_pass(name, tmp_path, fast_train):
+    folder = project(tmp_path, capstone_train=TRAIN_ALTERNATIVES[name])
+    verdict = L.check_capstone_train.verdict(folder / "capstone_train.py")
+    assert verdict.passed, verdict.line()
+
+
+@pytest.mark.parametrize("name", list(TRAIN_WRONG))
+def test_train_wrong_answers_name_their_fault(name, tmp_path, fast_train):
+    text, message = TRAIN_WRONG[name]
+    folder = project(tmp_path, capstone_train=text)
+    with pytest.raises(ExerciseFailed, match=message) as info:
+        L.check_capstone_train(folder / "capstone_train.py")
+    assert not isinstance(info.value, ExerciseNotAttempted)
+    assert "\n" not in str(info.value) and "checker itself failed" not in str(info.value)
+
+
+def test_the_accuracy_stage_names_a_missing_run_other_sizes_and_an_untrained_model(tmp_path):
+    script = project(tmp_path) / "capstone_train.py"
+    with pytest.raises(ExerciseFailed, match=r"^accuracy: there is no checkpoint in run/ beside your script: run the launch cell"):
+        L._trained_model(script)
+    model_module = L.load(script.with_name("capstone_model.py"))
+    torch.manual_seed(0)
+    (script.parent / "run").mkdir()
+    small = model_module.TinyGPT(addition.VOCAB_SIZE, addition.MAX_LEN, 32, 4, 1)
+    torch.save({"model": small.state_dict()}, script.parent / "run" / "step_000010.pt")
+    with pytest.raises(ExerciseFailed, match=r"^accuracy: run/step_000010\.pt\['model'\] does not load into TinyGPT\(d_model=64, "
+                                             r"n_heads=4, n_layers=2, dropout=0\.0\), the script's default sizes \(RuntimeError"):
+        L._trained_model(script)
+    untrained = model_module.TinyGPT(addition.VOCAB_SIZE, addition.MAX_LEN, 64, 4, 2)
+    torch.save({"model": untrained.state_dict()}, script.parent / "run" / "step_000020.pt")
+    with pytest.raises(ExerciseFailed, match=r"^accuracy: your trained model answers 0\.0% of 300 hidden problems \(by carries: 0: 0%, "
+                                             r".*\); at least 90% of every carry count is needed, and 0 carries got less$"):
+        L._judge_accuracy(L._trained_model(script))
+    L._judge_accuracy(L.OracleAdder())  # a model that adds passes
+
+
+def test_the_scale_diagnosis_is_certain_only_for_what_it_names(tmp_path, fast_train):
+    """A script whose ranks step without averaging (DDP wrapped, but the forward through the plain model) is named as
+    such by the scale stage only if it got that far; here the training stage sees the ranks' weights part first."""
+    text = edited("capstone_train", ("                logits = ddp_model(inputs)\n", "                logits = model(inputs)\n"))
+    with pytest.raises(ExerciseFailed, match=r"training: the ranks ended with different weights"):
+        L.check_capstone_train(project(tmp_path, capstone_train=text) / "capstone_train.py")
+
+
+def test_a_hanging_script_is_stopped(tmp_path, fast_train, monkeypatch):
+    """Rank 0 sleeps before DDP, so rank 1 waits in DDP's first broadcast: both are stopped, within the check's time."""
+    monkeypatch.setenv("COURSE_EXERCISE_SECONDS", "21")  # the ranks get 7 s of it
+    text = edited("capstone_train", ("    rank, world_size = dist.get_rank(), dist.get_world_size()\n",
+                                     "    rank, world_size = dist.get_rank(), dist.get_world_size()\n"
+                                     "    if rank == 0:\n        import time\n        time.sleep(3600)\n"))
+    start = time.monotonic()
+    with pytest.raises(ExerciseFailed, match=r"training: no rank finished within 7 s, so they were stopped"):
+        L.check_capstone_train(project(tmp_path, capstone_train=text) / "capstone_train.py")
+    assert time.monotonic() - start < 21
+
+
+# capstone_ship: the serve stage first (no export), then the exported program, then ONNX
+
+EXAMPLE = "    example = torch.zeros(2, 3, dtype=torch.long)        # export specialises sizes 0 and 1: trace with 2 or more\n"
+DIMS = '    sizes = {0: Dim("batch", min=1, max=1024), 1: Dim("length", min=1, max=MAX_LEN)}\n'
+EXPORT = "    return torch.export.export(model.eval(), (example,), dynamic_shapes=(sizes,))\n"
+ONNX = ('    torch.onnx.export(export_program(model), f=str(path), dynamo=True, input_names=["tokens"], output_names=["logits"],\n'
+        "                      external_data=False, verbose=False)\n")
+SERVE_LOOP = "    for start in range(0, len(requests), max_batch):\n"
+SERVE_APPEND = '        answers += ["".join(str(d) for d in reversed(tokens)) for tokens in generate(model, prompts, MAX_ANSWER)]\n'
+
+SHIP_ALTERNATIVES = {
+    "the module to ONNX directly, two files, a stacked server": edited(
+        "capstone_ship",
+        (ONNX, '    torch.onnx.export(model.eval(), (torch.ones(3, 4, dtype=torch.long),), str(path), dynamo=True, verbose=False,\n'
+               '                      dynamic_shapes=({0: Dim("n", min=1, max=1024), 1: Dim("t", min=1, max=MAX_LEN)},),\n'
+               '                      input_names=["tokens"], output_names=["logits"])\n'),
+        ("        prompts = torch.tensor([encode(*(int(n) for n in request.split(\"+\")))[0] for request in batch])\n",
+         "        prompts = torch.stack([torch.tensor(encode(int(r.partition('+')[0]), int(r.partition('+')[2]))[0]) for r in batch])\n"),
+    ),
+    "Dim.DYNAMIC, a session with one thread, a server of lists": edited(
+        "capstone_ship",
+        (EXAMPLE, "    example = torch.randint(0, 10, (4, 5))\n"),
+        (DIMS, "    sizes = {0: Dim.DYNAMIC, 1: Dim.DYNAMIC}\n"),
+        ('    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])\n',
+         "    options = ort.SessionOptions()\n    options.intra_op_num_threads = 1\n"
+         '    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])\n'),
+        (SERVE_APPEND, "        for tokens in generate(model, prompts, MAX_ANSWER):\n"
+                       "            answers.append(str(sum(d * 10 ** i for i, d in enumerate(tokens))) if tokens else '')\n"),
+    ),
+    "strict export, a queue": edited(
+        "capstone_ship",
+        (EXPORT, "    model.eval()\n    return torch.export.export(model, (example,), dynamic_shapes=(sizes,), strict=True)\n"),
+        ("    answers = []\n" + SERVE_LOOP + "        batch = requests[start:start + max_batch]\n",
+         "    answers, queue = [], list(requests)\n    while queue:\n        batch, queue = queue[:max_batch], queue[max_batch:]\n"),
+    ),
+}
+
+SHIP_WRONG = {
+    "a server that runs one request at a time": (edited("capstone_ship", (SERVE_LOOP, "    max_batch = 1\n" + SERVE_LOOP)),
+                                                 r"^capstone_ship: serve: serve\(a model that adds, 11 requests, max_batch=4\) ran the model on one request at a time"),
+    "a server that ignores max_batch": (edited("capstone_ship", (SERVE_LOOP, "    max_batch = len(requests)\n" + SERVE_LOOP)),
+                                        r"serve: .* ran a forward pass on 11 requests: at most max_batch at once"),
+    "answers written backwards": (edited("capstone_ship", (SERVE_APPEND, SERVE_APPEND.replace("reversed(tokens)", "tokens"))),
+                                  r"serve: the answer to '7\+5' is '21', expected '12'"),
+    "answers as ints": (edited("capstone_ship", (SERVE_APPEND, '        answers += [int("".join(str(d) for d in reversed(t))) for t in generate(model, prompts, MAX_ANSWER)]\n')),
+                        r"serve: the answer to '7\+5' is an int, expected a str such as '12'"),
+    "an export specialised to batch 1": (edited("capstone_ship", (EXAMPLE, "    example = torch.zeros(1, 3, dtype=torch.long)\n"),
+                                                (DIMS, "    sizes = {1: Dim('length', min=1, max=MAX_LEN)}\n")),
+                                         r"ship: your exported program refuses tokens of shape \(2, 2\) .*: make the batch \(1 to 1024\) and the length"),
+    "a fixed length": (edited("capstone_ship", (DIMS, '    sizes = {0: Dim("batch", min=1, max=1024)}\n')),
+                       r"ship: your exported program refuses tokens of shape \(1, 1\)"),
+    "exported in train mode": (edited("capstone_ship", (EXPORT, EXPORT.replace("model.eval()", "model"))),
+                               r"ship: your exported program has dropout in its graph: the model was in train mode"),
+    "an ONNX input named otherwise": (edited("capstone_ship", (ONNX, ONNX.replace('input_names=["tokens"]', 'input_names=["ids"]')),
+                                             ('{"tokens": tokens.numpy()}', '{"ids": tokens.numpy()}')),
+                                      r"ship: the ONNX file's inputs are \['ids'\] and outputs \['logits'\], expected \['tokens'\] and \['logits'\]"),
+    "answers without running ONNX Runtime": (edited("capstone_ship", ("    return generate(onnx_model, prompts, MAX_ANSWER)\n",
+                                                                      "    return generate(model.eval(), prompts, MAX_ANSWER)\n")),
+                                             r"ship: export_onnx\(model, path, 6 prompts\) never ran ONNX Runtime"),
+}
+
+
+@pytest.mark.parametrize("name", list(SHIP_ALTERNATIVES))
+def test_ship_alternatives_pass(name, tmp_path):
+    assert_passes(L.check_capstone_ship, project(tmp_path, capstone_ship=SHIP_ALTERNATIVES[name]) / "capstone_ship.py")
+
+
+@pytest.mark.parametrize("name", list(SHIP_WRONG))
+def test_ship_wrong_answers_name_their_fault(name, tmp_path):
+    text, message = SHIP_WRONG[name]
+    assert_names_fault(L.check_capstone_ship, project(tmp_path, capstone_ship=text) / "capstone_ship.py", message)
+
+
+# Every check: its file's skeleton is not attempted; bad arguments are one line; the reference passes.
+
+@pytest.mark.parametrize("name", [n for n in L.FILES if n != "capstone_train"])
+def test_the_notebooks_files_pass(name, tmp_path, capsys):
+    CHECKS[name](project(tmp_path) / f"{name}.py")
+    assert capsys.readouterr().out.strip() == f"PASS {name}: all checks passed"
+
+
+@pytest.mark.parametrize("name", L.FILES)
+def test_the_untouched_skeleton_is_not_attempted(name, tmp_path, fast_train):
+    folder = project(tmp_path, **{name: SKELETON[name]})
+    with pytest.raises(ExerciseNotAttempted, match=rf"^{name}: not attempted yet: replace `raise NotImplementedError` in {name} with your code$"):
+        CHECKS[name](folder / f"{name}.py")
+
+
+def test_a_half_written_script_that_still_reaches_its_stub_is_not_attempted(tmp_path, fast_train):
+    """Told apart without starting a rank only when main() is the untouched skeleton; otherwise the ranks reach the stub."""
+    half = SKELETON["capstone_train"].replace("    # YOUR CODE HERE\n", "    # YOUR CODE HERE\n    dist.init_process_group(\"gloo\")\n")
+    assert half != SKELETON["capstone_train"]
+    with pytest.raises(ExerciseNotAttempted, match=r"^capstone_train: not attempted yet: replace `raise NotImplementedError` in capstone_train"):
+        L.check_capstone_train(project(tmp_path, capstone_train=half) / "capstone_train.py")
+    moved = SKELETON["capstone_train"].replace("    raise NotImplementedError()", "    raise NotImplementedError(\"later\")")
+    with pytest.raises(ExerciseFailed, match=r"training: rank \d raised NotImplementedError: later \(capstone_train\.py, line \d+, in main\)"):
+        L.check_capstone_train(project(tmp_path, capstone_train=moved) / "capstone_train.py")
+
+
+@pytest.mark.parametrize("name", ["capstone_model", "capstone_train", "capstone_ship"])
+def test_an_earlier_skeleton_is_named(name, tmp_path, fast_train):
+    """A finished file that uses an earlier file's untouched skeleton is 'not attempted', and the message says whose."""
+    earlier = {"capstone_model": "capstone_data", "capstone_train": "capstone_model", "capstone_ship": "capstone_decode"}[name]
+    folder = project(tmp_path, **{earlier: SKELETON[earlier]})
+    if name == "capstone_model":  # TinyGPT does not use capstone_data: make it
+        (folder / "capstone_model.py").write_text(REFERENCE["capstone_model"].replace(
+            "import torch\n", "import torch\nfrom capstone_data import encode\nencode(1, 2)\n", 1))
+    with pytest.raises(ExerciseNotAttempted, match=rf"not attempted yet: .*stub of \w+(\.\w+)? in {earlier}\.py|"
+                                                  rf"not attempted yet: your code reaches the `raise NotImplementedError\(\)` stub"):
+        CHECKS[name](folder / f"{name}.py")
+
+
+@pytest.mark.parametrize("name", L.FILES)
+@pytest.mark.parametrize("bad, message", [(None, "expected the path of your {name}.py, got None"),
+                                          (3, r"expected the path of your {name}.py \(a str or pathlib.Path\), got an int"),
+                                          (torch.nn.Linear(2, 2), r"expected the path of your {name}.py .*got a torch.nn"),
+                                          ("elsewhere/{name}.py", r"{name}.py does not exist: run its %%writefile cell above"),
+                                          ("other.py", r"expected the path of your {name}.py, got one of other.py")],
+                         ids=["None", "int", "module", "missing", "another file"])
+def test_bad_arguments_are_one_named_line(name, bad, message):
+    bad = bad.format(name=name) if isinstance(bad, str) else bad
+    with pytest.raises(ExerciseFailed, match=message.format(name=name)) as info:
+        CHECKS[name](bad)
+    assert "\n" not in str(info.value)
+
+
+def test_a_file_that_does_not_parse_or_import_is_one_line(tmp_path):
+    folder = project(tmp_path, capstone_data="def encode(a, b)\n    return a\n")
+    with pytest.raises(ExerciseFailed, match=r"capstone_data\.py does not parse: SyntaxError at line 1"):
+        L.check_capstone_data(folder / "capstone_data.py")
+    (folder / "capstone_data.py").write_text("import torch\nraise ValueError('not today')\n")
+    with pytest.raises(ExerciseFailed, match=r"importing capstone_data\.py raised ValueError: not today \(line 2\)"):
+        L.check_capstone_data(folder / "capstone_data.py")
+    (folder / "capstone_data.py").write_text(REFERENCE["capstone_data"] + "from course_utils.lesson11 import encode\n")
+    with pytest.raises(ExerciseFailed, match=r"imports course_utils\.lesson11, the course's references and checks"):
+        L.check_capstone_data(folder / "capstone_data.py")
+
+
+def test_checks_leave_the_random_state_and_the_project_alone(tmp_path, fast_train):
+    folder = project(tmp_path)
+    before = sorted(p.name for p in folder.iterdir())
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    for name, check in CHECKS.items():
+        assert check.verdict(folder / f"{name}.py").passed
+    assert torch.equal(torch.rand(3), expected)
+    assert sorted(p.name for p in folder.iterdir() if p.name != "__pycache__") == before
+
+
+# No process outlives the lesson: the notebook's launches (torchrun) and the checks' rank servers, finished, killed,
+# stopped for hanging or timed out, run in a child that adopts every orphan (a subreaper) and lists what is left.
+
+LEAK_SCENARIO = r'''
+import json, sys, time
+from pathlib import Path
+from course_utils import distributed, lesson11
+from course_utils.tooling.runner import become_subreaper, descendants
+from course_utils.distributed import process_status
+
+assert become_subreaper()
+folder = Path(sys.argv[1])
+script = folder / "capstone_train.py"
+tiny = ["--steps", "4", "--batch-size", "8", "--every", "2", "--d-model", "16", "--heads", "2", "--layers", "1"]
+finished = distributed.torchrun(script.name, nproc=2, args=tiny + ["--checkpoints", str(folder / "tiny")], cwd=folder, timeout=300)
+assert finished.returncode == 0 or distributed.aborted_on_exit(finished), finished.stderr[-2000:]
+try:
+    distributed.torchrun(script.name, nproc=2, args=tiny + ["--steps", "100000", "--checkpoints", str(folder / "long")], cwd=folder, timeout=8)
+except TimeoutError:
+    pass
+verdict = lesson11.check_capstone_train.verdict(script)
+assert verdict.reason.startswith("accuracy: there is no checkpoint"), verdict.line()  # every stage before it passed
+hanging = folder / "hang" / "capstone_train.py"
+hanging.parent.mkdir()
+for name in lesson11.FILES:
+    (hanging.parent / f"{name}.py").write_text((folder / f"{name}.py").read_text())
+hanging.write_text(script.read_text().replace("    ddp_model = DDP(model)\n", "    if rank == 0:\n        time.sleep(3600)\n    ddp_model = DDP(model)\n").replace("import math\n", "import math\nimport time\n"))
+import os
+os.environ["COURSE_EXERCISE_SECONDS"] = "21"  # the ranks get 7 s of it
+verdict = lesson11.check_capstone_train.verdict(hanging)
+assert "no rank finished" in verdict.reason or "took longer" in verdict.reason, verdict.line()
+time.sleep(1.0)
+left = [pid for pid in descendants() if (status := process_status(pid)) and status[1] != "Z"]
+commands = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:100] for pid in left}
+print(json.dumps(commands))
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's /proc and PR_SET_CHILD_SUBREAPER")
+def test_no_process_outlives_the_launches_and_the_checks(tmp_path):
+    folder = project(tmp_path)
+    result = subprocess.run([sys.executable, "-c", LEAK_SCENARIO, str(folder)], capture_output=True, text=True, timeout=600,
+                            cwd=folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "{}", f"processes outlived the lesson: {result.stdout[-1000:]}"
