@@ -7,7 +7,6 @@ it, with the same contract), and the checks that export to ONNX are run in full 
 tested; `test_the_real_checks_on_the_notebooks_files` runs every check as the checker does, once.
 """
 
-import os
 import subprocess
 import sys
 import time
@@ -713,3 +712,35 @@ def test_no_process_outlives_the_launches_and_the_checks(tmp_path):
                             cwd=folder)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "{}", f"processes outlived the lesson: {result.stdout[-1000:]}"
+
+
+# Whatever a learner's function returns or raises, the verdict is one line that never blames the checker.
+
+HOSTILE = {"None": "return None", "an int": "return 0", "a string": "return 'x'", "a list": "return [1, 2]", "a dict": "return {}",
+           "a tensor": "return torch.zeros(2, 3)", "NaNs": "return torch.full((3,), float('nan'))",
+           "a numpy array": "import numpy\n    return numpy.zeros(3)", "an object": "return object()",
+           "ValueError": "raise ValueError('mine')", "exit()": "import sys\n    sys.exit(1)"}
+HOSTILE_SITES = {  # the file, and the line whose function's body is replaced by the hostile one
+    "capstone_data": 'def encode(a: int, b: int) -> tuple[list[int], list[int]]:\n',
+    "capstone_model": "    def forward(self, tokens: torch.Tensor) -> torch.Tensor:\n",
+    "capstone_decode": "def generate(model, prompts: torch.Tensor, max_new_tokens: int) -> list[list[int]]:\n",
+    "capstone_ship": "def serve(model, requests: list[str], max_batch: int) -> list[str]:\n",
+}
+
+
+def _hostile(name: str, body: str) -> str:
+    text = REFERENCE[name]
+    head = HOSTILE_SITES[name]
+    indent = "        " if head.startswith("    ") else "    "
+    start = text.index(head) + len(head)
+    end = text.index("### END SOLUTION", start) + len("### END SOLUTION")
+    docstring = text[start:text.index("\n", text.index('"""', start) + 3) + 1] if '"""' in text[start:start + 200] else ""
+    return text[:start] + docstring + indent + body.replace("\n    ", "\n" + indent) + text[end:]
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_SITES))
+@pytest.mark.parametrize("body", list(HOSTILE.values()), ids=list(HOSTILE))
+def test_hostile_answers_are_one_line_and_the_learners(name, body, tmp_path):
+    verdict = CHECKS[name].verdict(project(tmp_path, **{name: _hostile(name, body)}) / f"{name}.py")
+    assert verdict.status == "failed", verdict
+    assert "checker itself failed" not in verdict.reason and "\n" not in verdict.reason, verdict.reason
