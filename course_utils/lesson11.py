@@ -510,7 +510,8 @@ def check_capstone_data(path) -> None:
         _check_encode(module)
         _check_dataset(module)
         _check_collate(module)
-        loader = torch.utils.data.DataLoader(module.AdditionDataset(addition.problems(7, 5)), batch_size=3, collate_fn=module.collate)
+        dataset = _learner_call(module.AdditionDataset, addition.problems(7, 5), what="AdditionDataset(7 problems)")
+        loader = torch.utils.data.DataLoader(dataset, batch_size=3, collate_fn=module.collate)
         sizes = [tuple(inputs.shape) for inputs, _ in _learner_call(list, loader, what="a DataLoader of your dataset and collate")]
         if [s[0] for s in sizes] != [3, 3, 1]:
             raise ExerciseFailed(f"a DataLoader(batch_size=3) over 7 problems gave batches of {[s[0] for s in sizes]}, expected [3, 3, 1]")
@@ -1184,7 +1185,7 @@ def _judge_training(runs: list, folder: Path, n_problems: int) -> dict:
 
 
 def _judge_resume(whole: list, killed: list, resumed: list, whole_last: dict, folder: Path) -> None:
-    if not all(run.record.get("killed") for run in killed):
+    if not all(run.record and run.record.get("killed") for run in killed):
         raise ExerciseFailed(f"resume: the run to be stopped at step {TRAIN_KILL_AT} did not get there")
     latest = (TRAIN_KILL_AT // TRAIN_EVERY) * TRAIN_EVERY
     for run in resumed:
@@ -1262,7 +1263,7 @@ def _scale_hypotheses(script: Path, record: dict, sizes: dict) -> dict[str, torc
     """Gradients, computed here with the learner's model, that one step on 2 ranks would give under each way of
     weighting the loss: the global batch's mean (right), the mean of the ranks' means, rank 0's own mean."""
     model_module = _learner_module(script.with_name("capstone_model.py"), "capstone_model")
-    model = model_module.TinyGPT(vocab_size=VOCAB_SIZE, max_len=MAX_LEN, dropout=0.0, **sizes).train()
+    model = _build(model_module.TinyGPT, sizes).train()
     model.load_state_dict(_state_of(record["steps"][0]), strict=False)
     sums, counts = [], []
     for tokens in record["batches"]:
