@@ -8,6 +8,15 @@ STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 NBVAL  := --nbval-current-env -p no:cacheprovider
 SUPPORTED := 3.11 3.12 3.13
+# Which PyTorch build the set-up installs: `pypi`, PyPI's (on Linux x86_64 a CUDA build: with its CUDA
+# libraries and Triton 3.0 GB to download, 4 GB of the 6 GB .venv), or `cpu`, PyTorch's CPU-only wheels
+# from its own index: the same pins (2.14.1 there is 2.14.1+cpu, which `torch==2.14.1` matches), without
+# the CUDA libraries and Triton. The choice is kept in .venv/.torch: later runs, and a reinstall after a
+# pin changed, keep it; another choice needs `make clean-venv` first.
+TORCH ?= $(or $(shell cat $(VENV)/.torch 2>/dev/null),pypi)
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+DOWNLOAD_pypi = over 3 GB to download on Linux x86_64, 3.0 GB of it PyTorch with its CUDA libraries and Triton (6 GB installed); without an NVIDIA GPU, stop it (Ctrl-C), run make clean-venv, then make $(GOAL) TORCH=cpu
+DOWNLOAD_cpu = with PyTorch's CPU-only build, 2.5 GB less to download than PyPI's Linux build (4 GB less installed)
 # Extra options for `jupyter lab`, e.g. make lab LAB_ARGS="--port=8889 --no-browser".
 # (As root, `course_utils lab` adds --allow-root itself: Jupyter refuses root without it.)
 LAB_ARGS ?=
@@ -19,6 +28,9 @@ GOAL := $(or $(firstword $(MAKECMDGOALS)),lab)
 # course does not support, left half-built (its python or pip missing), or made by another
 # Python than the PYTHON=... asked for. Without a .venv, PYTHON must be 3.11, 3.12 or 3.13.
 check-python:
+	@if [ -f $(VENV)/.torch ] && [ "$$(cat $(VENV)/.torch)" != "$(TORCH)" ]; then \
+	    echo "error: $(VENV) has PyTorch's $$(cat $(VENV)/.torch) build, not TORCH=$(TORCH): run \`make clean-venv\`, then \`make $(GOAL) TORCH=$(TORCH)\`."; exit 1; \
+	fi
 	@version() { "$$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null; }; \
 	supported() { case " $(SUPPORTED) " in *" $$1 "*) return 0;; esac; return 1; }; \
 	recover="Remove it with \`make clean-venv\`, then run \`make $(GOAL) PYTHON=python3.11\` (or python3.12, python3.13)."; \
@@ -44,13 +56,20 @@ check-python:
 	    echo "error: $(PYTHON) is Python $$want; the course needs 3.11, 3.12 or 3.13: run \`make $(GOAL) PYTHON=python3.11\` (or python3.12, python3.13)."; exit 1; \
 	fi
 
+# The first run shows pip's own progress, after one line that says how much it downloads; later runs,
+# with .venv up to date, print nothing of this.
 $(STAMP): pyproject.toml constraints.txt | check-python
+	@case "$(TORCH)" in pypi|cpu) ;; *) echo "error: TORCH=$(TORCH): give TORCH=pypi (PyPI's PyTorch) or TORCH=cpu (PyTorch's CPU-only wheels)"; exit 1;; esac
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "Installing the course's pinned packages into $(VENV), $(DOWNLOAD_$(TORCH)). Later runs skip this."
 	$(PY) -m pip install --quiet --upgrade "pip>=24"
-	$(PY) -m pip install --quiet -c constraints.txt -e .
+	$(if $(filter cpu,$(TORCH)),$(PY) -m pip install --no-deps --index-url $(TORCH_CPU_INDEX) -c constraints.txt torch torchvision)
+	$(PY) -m pip install -c constraints.txt -e .
+	echo $(TORCH) > $(VENV)/.torch
 	touch $(STAMP)
 
 $(TEST_STAMP): $(STAMP)
+	@echo "Installing the test extra (playwright, which drives Debian's chromium, and nbgitpuller, for the JupyterHub test)."
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	touch $(TEST_STAMP)
 

@@ -26,7 +26,9 @@ def check_mode() -> bool:
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext course_utils` registers the %%gpu cell magic."""
+    """`%load_ext course_utils` registers the %%gpu cell magic, and notes which cells raise (for the checks)."""
     from course_utils.gpu_cells import gpu
+    from course_utils.tooling.cellruns import watch
 
     ipython.register_magic_function(gpu, magic_kind="cell", magic_name="gpu")
+    watch(ipython)

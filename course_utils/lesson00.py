@@ -1,10 +1,54 @@
-"""Lesson 00 (orientation): two warm-up exercises that show how the checker talks."""
+"""Lesson 00 (orientation): the map of PyTorch, and two warm-up exercises that show how the checker talks."""
 
 import torch
 
 from course_utils.tooling.checks import ExerciseFailed, call, exercise, expect_tensor, expect_unchanged, scoreboard_for
 
 scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
+
+
+# The map of PyTorch: (layer, part, what it is for, the lesson that teaches it), bottom layer first.
+PYTORCH_MAP = [
+    ("foundations", "torch.Tensor", "arrays, dtypes, devices", "01"),
+    ("foundations", "torch.autograd", "gradients, automatically", "02"),
+    ("build and train", "torch.nn", "layers and models", "03"),
+    ("build and train", "torch.utils.data", "Dataset, DataLoader", "04"),
+    ("build and train", "torch.optim", "optimizers, LR schedules", "05"),
+    ("faster and bigger", "torch.amp", "16-bit mixed precision", "06"),
+    ("faster and bigger", "torch.compile", "graphs, generated kernels", "07"),
+    ("faster and bigger", "hooks, torch.profiler", "looking inside a model", "08"),
+    ("faster and bigger", "torch.distributed", "many GPUs, many machines", "09"),
+    ("ship", "torch.export", "ONNX, AOTInductor, serving", "10"),
+]
+
+
+def plot_pytorch_map():
+    """Draw PYTORCH_MAP: one row of boxes per layer, each part labelled with the lesson that teaches it."""
+    import matplotlib.pyplot as plt  # here, not at the top: the checker imports this module and draws nothing
+    from matplotlib.patches import FancyBboxPatch
+
+    layers = list(dict.fromkeys(layer for layer, *_ in PYTORCH_MAP))
+    colours = ["#4c72b0", "#55a868", "#dd8452", "#8172b3"]
+    fig, ax = plt.subplots(figsize=(10, 4.6))
+    for row, layer in enumerate(layers):
+        parts = [entry for entry in PYTORCH_MAP if entry[0] == layer]
+        y = row  # the foundations at the bottom, what is built on them above
+        ax.text(-0.1, y + 0.45, layer, ha="right", va="center", fontsize=10, fontweight="bold", color=colours[row])
+        width = 8.0 / 4  # four slots per row: rows with fewer parts leave the right free
+        for k, (_, part, purpose, lesson) in enumerate(parts):
+            x = k * width
+            ax.add_patch(FancyBboxPatch((x + 0.05, y + 0.08), width - 0.1, 0.74, boxstyle="round,pad=0.02",
+                                        facecolor=colours[row], edgecolor="none", alpha=0.9))
+            ax.text(x + width / 2, y + 0.6, part, ha="center", va="center", fontsize=10, color="white", fontweight="bold")
+            ax.text(x + width / 2, y + 0.4, purpose, ha="center", va="center", fontsize=8, color="white")
+            ax.text(x + width / 2, y + 0.2, f"lesson {lesson}", ha="center", va="center", fontsize=8.5, color="white",
+                    fontstyle="italic")
+    ax.set_xlim(-1.9, 8.05)
+    ax.set_ylim(0, len(layers))
+    ax.axis("off")
+    ax.set_title("PyTorch in one picture: each part, and the lesson that teaches it", fontsize=11)
+    fig.tight_layout()
+    return fig
 
 
 # Reference solutions. The checks compare the learner's answers with these.

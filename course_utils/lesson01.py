@@ -1,4 +1,4 @@
-"""Lesson 01 (tensors): reference solutions, the checks for its exercises, the camera stand-in and the broadcasting figure."""
+"""Lesson 01 (tensors): reference solutions, the checks for its exercises, the camera stand-in, and the stride and broadcasting figures."""
 
 import numpy as np
 import torch
@@ -32,6 +32,51 @@ class Camera:
         return self.buffer
 
 
+def plot_strides(memory: torch.Tensor, views: dict[str, torch.Tensor]):
+    """Draw each 2-D view of a 1-D `memory` as a grid beside the memory cells that its first row reads, with its strides."""
+    import matplotlib.pyplot as plt  # here, not at the top: the checker imports this module and draws nothing
+    from matplotlib.patches import Rectangle
+
+    cells = memory.numel()
+    fig, axes = plt.subplots(len(views), 2, figsize=(10, 2.1 * len(views)), squeeze=False,
+                             gridspec_kw={"width_ratios": [1, 2.6]})
+    for (grid_ax, memory_ax), (name, view) in zip(axes, views.items()):
+        rows, cols = view.shape
+        row_step, col_step = view.stride()
+        start = (view.data_ptr() - memory.data_ptr()) // view.element_size()
+        first_row = [start + j * col_step for j in range(cols)]
+        for i in range(rows):
+            for j in range(cols):
+                colour = "tab:blue" if i == 0 else "#dbe8f5"
+                grid_ax.add_patch(Rectangle((j, i), 1, 1, facecolor=colour, edgecolor="white", linewidth=2))
+                grid_ax.text(j + 0.5, i + 0.5, f"{view[i, j].item():g}", ha="center", va="center",
+                             color="white" if i == 0 else "#33557a", fontsize=10)
+        grid_ax.set_xlim(0, cols)
+        grid_ax.set_ylim(rows, 0)
+        grid_ax.set_aspect("equal")
+        grid_ax.axis("off")
+        grid_ax.set_title(f"{name}: shape {tuple(view.shape)}, stride {view.stride()}", fontsize=10)
+        for k in range(cells):
+            read = k in first_row
+            memory_ax.add_patch(Rectangle((k, 0), 1, 1, facecolor="tab:blue" if read else "#eeeeee", edgecolor="white", linewidth=2))
+            memory_ax.text(k + 0.5, 0.5, f"{memory[k].item():g}", ha="center", va="center",
+                           color="white" if read else "#555555", fontsize=10)
+            memory_ax.text(k + 0.5, 1.35, str(k), ha="center", va="center", color="#888888", fontsize=7)
+        for a, b in zip(first_row, first_row[1:]):  # one bracket per step along the row, labelled with the jump
+            memory_ax.plot([a + 0.5, a + 0.5, b + 0.5], [0, -0.45, -0.45], color="tab:orange", linewidth=1.2)
+            memory_ax.annotate("", xy=(b + 0.5, 0), xytext=(b + 0.5, -0.46),
+                               arrowprops={"arrowstyle": "->", "color": "tab:orange", "linewidth": 1.2})
+            memory_ax.text((a + b) / 2 + 0.5, -0.7, f"+{col_step}", ha="center", va="center", color="tab:orange", fontsize=8)
+        memory_ax.set_xlim(-0.2, cells + 0.2)
+        memory_ax.set_ylim(1.7, -1.2)
+        memory_ax.axis("off")
+        contiguous = "in order" if col_step == 1 else f"jumping {col_step} cells at a time"
+        memory_ax.set_title(f"memory (cell number below): row 0 of {name} reads it {contiguous}; the next row starts "
+                            f"{row_step} cell{'s' if row_step != 1 else ''} further", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def plot_broadcast(a: torch.Tensor, b: torch.Tensor):
     """Draw a + b for 2-D a and b: each operand stretched to the result's shape (stretched copies pale), then the sum."""
     import matplotlib.pyplot as plt  # here, not at the top: the checker imports this module and draws nothing
@@ -59,31 +104,20 @@ def plot_broadcast(a: torch.Tensor, b: torch.Tensor):
     return fig
 
 
-# Reference solutions. The checks compare the learner's answers with these.
+# Reference solutions, in notebook order. The checks compare the learner's answers with these.
 
-def image_patches(image: torch.Tensor, p: int) -> torch.Tensor:
-    """(H, W) image -> (H//p * W//p, p*p): one row per p x p patch, patches left to right then top to bottom."""
-    h, w = image.shape
-    blocks = image.view(h // p, p, w // p, p)  # splitting a dimension is always a view, contiguous or not
-    return blocks.permute(0, 2, 1, 3).reshape(-1, p * p)
-
-
-def checkerboard(n: int) -> torch.Tensor:
-    """(n, n) float32 tensor: 0 where row + column is even, 1 where it is odd."""
-    i = torch.arange(n)
-    return ((i[:, None] + i[None, :]) % 2).float()
+def checkerboard(height: int, width: int, square: int) -> torch.Tensor:
+    """(height, width) float32 image of square x square squares, alternately 0 and 1, 0 at the top left."""
+    rows = torch.arange(height) // square  # which band of squares each row falls in
+    cols = torch.arange(width) // square
+    return ((rows[:, None] + cols[None, :]) % 2).float()
 
 
-def pairwise_sq_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """(n, m) squared Euclidean distances between the rows of a (n, d) and b (m, d)."""
-    return ((a[:, None, :] - b[None, :, :]) ** 2).sum(dim=-1)
-
-
-def relu_copy(x: torch.Tensor) -> torch.Tensor:
-    """A new tensor like x with negative entries set to zero; x itself is left unchanged."""
-    out = x.clone()
-    out[out < 0] = 0
-    return out
+def minmax_scale(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x with every slice along dim rescaled to [0, 1]: its smallest value to 0, its largest to 1."""
+    low = x.amin(dim=dim, keepdim=True)
+    high = x.amax(dim=dim, keepdim=True)
+    return (x - low) / (high - low)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -91,9 +125,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.T
     return x @ weight.T + bias
 
 
-def record_frames(camera: Camera, n: int) -> torch.Tensor:
-    """The camera's next n frames as one float32 tensor (n, H, W), each copied as it is read."""
-    return torch.stack([torch.tensor(camera.read(), dtype=torch.float32) for _ in range(n)])
+def pairwise_sq_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(n, m) squared Euclidean distances between the rows of a (n, d) and b (m, d)."""
+    return ((a[:, None, :] - b[None, :, :]) ** 2).sum(dim=-1)
 
 
 def batch_to(batch: dict, device: torch.device | str) -> dict:
@@ -105,6 +139,23 @@ def batch_to(batch: dict, device: torch.device | str) -> dict:
             value = value.to(device, dtype)
         moved[key] = value
     return moved
+
+
+def target_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits (..., C) and int64 targets (...): the logit of each target class, of targets' shape."""
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def record_frames(camera: Camera, n: int) -> torch.Tensor:
+    """The camera's next n frames as one float32 tensor (n, H, W), each copied as it is read."""
+    return torch.stack([torch.tensor(camera.read(), dtype=torch.float32) for _ in range(n)])
+
+
+def image_patches(image: torch.Tensor, p: int) -> torch.Tensor:
+    """(H, W) image -> (H//p * W//p, p*p): one row per p x p patch, patches left to right then top to bottom."""
+    h, w = image.shape
+    blocks = image.view(h // p, p, w // p, p)  # splitting a dimension is always a view, contiguous or not
+    return blocks.permute(0, 2, 1, 3).reshape(-1, p * p)
 
 
 # Helpers of the checks.
@@ -122,116 +173,79 @@ def _same(got, expected: torch.Tensor, atol: float = 0.0) -> bool:
     return torch.allclose(got.detach().double(), expected.detach().double(), atol=atol, rtol=1e-5 if atol else 0.0)
 
 
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 # Checks, one per exercise, in notebook order.
-
-@exercise("image_patches")
-def check_image_patches(fn) -> None:
-    # Every pixel differs from every other, so each way of scrambling them is told apart.
-    cases = [
-        (torch.arange(48, dtype=torch.float32).view(6, 8) / 4 - 5, 2, ""),
-        (torch.arange(54).view(6, 9).T, 3, " (a transposed view, not contiguous)"),
-        (torch.arange(15, dtype=torch.float32).view(3, 5), 1, ""),
-        (torch.arange(36, dtype=torch.float64).view(6, 6).T, 6, " (a transposed view, not contiguous)"),
-        (torch.arange(200, 232, dtype=torch.uint8).view(4, 8), 4, ""),
-    ]
-    for image, p, note in cases:
-        before = image.clone()
-        shown = f"image of shape {tuple(image.shape)}{note}, p={p}"
-        got = call(fn, image, p, name="image_patches", shown=shown)
-        what = f"image_patches({shown})"
-        expect_unchanged(before, image, what="image_patches")
-        expected = image_patches(before, p)
-        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected):
-            if p > 1 and _same(got, before.reshape(-1, p * p)):
-                raise ExerciseFailed(
-                    f"{what}: each row of your result is {p * p} pixels in reading order, which run across several patches: "
-                    "a p x p patch spans p image rows, so reorder the dimensions before you merge them (reshape alone is not permute)"
-                )
-            if _same(got.reshape(-1, p, p).transpose(1, 2).reshape(-1, p * p), expected):
-                raise ExerciseFailed(f"{what}: each patch is flattened column by column; flatten it row by row")
-            if sorted(map(tuple, got.tolist())) == sorted(map(tuple, expected.tolist())):
-                raise ExerciseFailed(
-                    f"{what}: every row is a right patch, but the patches come in another order: "
-                    "left to right along the top, then the next band down"
-                )
-        expect_tensor(got, expected, what=what)
-
 
 @exercise("checkerboard")
 def check_checkerboard(fn) -> None:
-    for n in (6, 7, 1, 2):
-        got = call(fn, n, name="checkerboard")
-        expected = checkerboard(n)
-        if n > 1 and _same(got, 1 - expected):
-            raise ExerciseFailed(f"checkerboard({n}) is inverted: the top-left entry [0, 0] should be 0")
-        expect_tensor(got, expected, what=f"checkerboard({n})")
-
-
-@exercise("pairwise_sq_distances")
-def check_pairwise_sq_distances(fn) -> None:
-    g = _generator(11)
-    cases = [
-        (torch.randn(5, 3, generator=g), torch.randn(4, 3, generator=g)),
-        (torch.randn(4, 2, generator=g), torch.randn(4, 2, generator=g)),  # n == m: a transposed answer keeps the shape
-        (torch.randn(1, 6, generator=g), torch.randn(3, 6, generator=g)),
-        (torch.randn(3, 1, generator=g), torch.randn(2, 1, generator=g)),
-        (torch.randn(4, 5, generator=g).T, torch.randn(2, 4, generator=g)),  # a is not contiguous
-        (torch.randn(2, 4, generator=g, dtype=torch.float64), torch.randn(5, 4, generator=g, dtype=torch.float64)),
-    ]
-    for a, b in cases:
-        a_before, b_before = a.clone(), b.clone()
-        shown = f"a of shape {tuple(a.shape)}, b of shape {tuple(b.shape)}{', float64' if a.dtype == torch.float64 else ''}"
-        got = call(fn, a, b, name="pairwise_sq_distances", shown=shown)
-        what = f"pairwise_sq_distances({shown})"
-        expect_unchanged(a_before, a, what="pairwise_sq_distances")
-        expect_unchanged(b_before, b, what="pairwise_sq_distances")
-        expected = pairwise_sq_distances(a_before, b_before)
-        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected, atol=1e-4):
-            d = a.shape[1]
-            if _same(got, expected.sqrt(), atol=1e-4):
-                raise ExerciseFailed(f"{what}: your values are the distances, not their squares")
-            if d > 1 and _same(got * d, expected, atol=1e-4):
-                raise ExerciseFailed(f"{what}: your values are the squared distances divided by d = {d}: sum over the coordinates, do not average")
-            if got.shape[0] == got.shape[1] and _same(got.T, expected, atol=1e-4):
-                raise ExerciseFailed(f"{what}: entry [i, j] holds the distance from b[i] to a[j]: is it transposed?")
-        expect_tensor(got, expected, what=what, atol=1e-4, rtol=1e-4)
-
-
-@exercise("relu_copy")
-def check_relu_copy(fn) -> None:
-    g = _generator(5)
-    mixed = torch.randn(3, 5, generator=g)
-    mixed[0, :2] = 0.0
-    cases = [
-        (mixed, ""),
-        (torch.tensor([4, -7, 0, 12, -1, 3, -30]), ""),
-        (torch.rand(2, 4, generator=g) + 0.5, ", no negative entry"),
-        (torch.randn(4, 3, generator=g).T, ", not contiguous"),
-        (torch.tensor([-2.5], dtype=torch.float64), ""),
-    ]
-    for x, note in cases:
-        before = x.clone()
-        shown = f"tensor of shape {tuple(x.shape)}, {str(x.dtype).replace('torch.', '')}{note}"
-        got = call(fn, x, name="relu_copy", shown=shown)
-        what = f"relu_copy({shown})"
-        expect_unchanged(before, x, what="relu_copy")
-        expected = relu_copy(before)
-        if isinstance(got, torch.Tensor) and got.ndim == 1 and got.shape != expected.shape:
-            if any(_same(got, before[keep]) for keep in (before > 0, before >= 0)):
+    # Squares of 2 and 3 pixels, boards they do not divide, a square bigger than the board, height != width.
+    for height, width, square in [(6, 8, 2), (5, 7, 2), (9, 6, 3), (4, 4, 1), (7, 10, 3), (2, 3, 5)]:
+        shown = f"height={height}, width={width}, square={square}"
+        got = call(fn, height, width, square, name="checkerboard", shown=shown)
+        what = f"checkerboard({shown})"
+        expected = checkerboard(height, width, square)
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected):
+            if square > 1 and _same(got, checkerboard(height, width, 1)):
                 raise ExerciseFailed(
-                    f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}: x[mask] picks the selected entries "
-                    "out into a 1-D tensor; keep x's shape and set the negative entries to 0"
+                    f"{what}: your squares are 1 pixel wide: each square is `square` pixels wide, so divide the row "
+                    "and column numbers by square (//) before you take the parity"
                 )
-        expect_tensor(got, expected, what=what)
-        if _shares_memory(got, x):
+            if _same(got, 1 - expected):
+                raise ExerciseFailed(f"{what} is inverted: the top-left square should be 0")
+        if isinstance(got, torch.Tensor) and height != width and tuple(got.shape) == (width, height):
+            raise ExerciseFailed(f"{what}: expected shape {(height, width)}, got {(width, height)}: height is the number of rows")
+        rounded_up = (-(-height // square) * square, -(-width // square) * square)
+        if isinstance(got, torch.Tensor) and tuple(got.shape) == rounded_up != (height, width):
             raise ExerciseFailed(
-                f"{what} shares memory with its input, so changing your result later would change x: return a new tensor"
-                + (", even when x has no negative entry" if note == ", no negative entry" else "")
+                f"{what}: expected shape {(height, width)}, got {rounded_up}: whole squares that run past the edge; "
+                "when square does not divide the size, the last squares are cut off at height and width"
             )
+        expect_tensor(got, expected, what=what)
+
+
+def _slices(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Distinct values (no slice is constant), a different range in each slice."""
+    g = _generator(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * 3 + torch.arange(shape[-1], dtype=torch.float64)).to(dtype)
+
+
+def _without_keepdim(x: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """minmax_scale as written without keepdim: the reduced values line up with x's dimensions from the right."""
+    try:
+        return (x - x.amin(dim)) / (x.amax(dim) - x.amin(dim))
+    except RuntimeError:  # the shapes do not broadcast: that answer raises, and call() reports it
+        return None
+
+
+@exercise("minmax_scale")
+def check_minmax_scale(fn) -> None:
+    hints = {
+        "torch.return_types": "x.min(dim) and x.max(dim) return a pair (values, indices): take .values, or use amin and amax",
+        "must match the size of tensor": "shapes that do not broadcast: a reduction such as x.amin(dim) drops that dimension unless keepdim=True",
+    }
+    # Square shapes first: there a reduction without keepdim broadcasts silently along the wrong dimension.
+    cases = [((4, 4), 1, torch.float32), ((3, 3, 3), -1, torch.float32), ((5, 3), 0, torch.float32),
+             ((2, 3, 4), 1, torch.float64), ((3, 4, 4), -2, torch.float32), ((1, 6), 1, torch.float32), ((7,), 0, torch.float64)]
+    for k, (shape, dim, dtype) in enumerate(cases):
+        x = _slices(shape, 30 + k, dtype)
+        before = x.clone()
+        shown = f"x of shape {shape}{', float64' if dtype == torch.float64 else ''}, dim={dim}"
+        got = call(fn, x, dim, name="minmax_scale", shown=shown, hints=hints)
+        what = f"minmax_scale({shown})"
+        expect_unchanged(before, x, what="minmax_scale")
+        expected = minmax_scale(before, dim)
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected, atol=1e-5):
+            silent = _without_keepdim(before, dim)
+            if silent is not None and silent.shape == expected.shape and _same(got, silent, atol=1e-5):
+                raise ExerciseFailed(
+                    f"{what}: the min and max of each slice are lined up with the wrong dimension of x: amin(dim) and amax(dim) "
+                    "drop the dimension they reduce, and broadcasting matches shapes from the right; keep it with keepdim=True"
+                )
+            if _same(got, (before - before.min()) / (before.max() - before.min()), atol=1e-5):
+                raise ExerciseFailed(f"{what}: you scaled by the smallest and largest value of the whole tensor: scale each slice along dim by its own")
+            for other in range(x.ndim):
+                if other != dim % x.ndim and _same(got, minmax_scale(before, other), atol=1e-5):
+                    raise ExerciseFailed(f"{what}: you scaled the slices along dim {other}, not along the dim={dim} you were given")
+        expect_tensor(got, expected, what=what, atol=1e-5)
 
 
 @exercise("linear")
@@ -269,60 +283,34 @@ def check_linear(fn) -> None:
         expect_tensor(got, expected, what=what, atol=1e-5)
 
 
-def _camera_frames(seed: int, n: int, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
-    """n distinct frames: frame t holds values in [20 t, 20 t + 19]."""
-    g = _generator(seed)
-    base = torch.randint(0, 20, shape, generator=g)
-    frames = torch.stack([base + 20 * t for t in range(n)])
-    if np.issubdtype(dtype, np.floating):
-        frames = frames + torch.rand(frames.shape, generator=g, dtype=torch.float64)
-    return frames.numpy().astype(dtype)
-
-
-@exercise("record_frames")
-def check_record_frames(fn) -> None:
-    array_first = "camera.read() gives a NumPy array: make a tensor of it first"
-    hints = {"object has no attribute 'to'": array_first, "object has no attribute 'float'": array_first, "expected Tensor as element": array_first}
-    cases = [(np.uint8, (3, 5), 4), (np.float32, (4, 2), 3), (np.float64, (2, 3), 2), (np.float32, (3, 3), 1)]
-    for k, (dtype, shape, n) in enumerate(cases):
-        frames = _camera_frames(k, n + 2, shape, dtype)
-        camera = Camera(frames)
-        shown = f"a camera of {np.dtype(dtype).name} frames of shape {shape}, n={n}"
-        got = call(fn, camera, n, name="record_frames", shown=shown, hints=hints)
-        what = f"record_frames({shown})"
-        if camera.reads != n:
-            raise ExerciseFailed(f"{what} read {camera.reads} frame(s) from the camera, expected {n}: read each frame once")
-        expected = torch.from_numpy(frames[:n].astype(np.float32))
-        if isinstance(got, torch.Tensor) and tuple(got.shape) == (n * shape[0], shape[1]) and n > 1:
-            raise ExerciseFailed(
-                f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}: the frames are joined along their rows; "
-                "stack them along a new first dimension"
-            )
-        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected, atol=1e-6) and n > 1:
-            last = expected[-1].expand_as(expected)
-            if _same(got, last, atol=1e-6) and dtype == np.float32 and k > 0:
-                raise ExerciseFailed(
-                    f"{what}: every frame of your result is the last one read, though uint8 frames worked: a conversion that finds "
-                    "the dtype already right returns the same memory (.float(), .to(torch.float32), torch.as_tensor, np.asarray), so nothing was copied"
-                )
-            if _same(got, last, atol=1e-6):
-                raise ExerciseFailed(
-                    f"{what}: every frame of your result is the last one read: camera.read() returns the same array every time, "
-                    "refilled in place, so whatever keeps that array (a list of it, or torch.from_numpy, which shares its memory) "
-                    "ends up with the last frame only: copy each frame when you read it"
-                )
-            if _same(got, expected.flip(0), atol=1e-6):
-                raise ExerciseFailed(f"{what}: the right frames in reverse order: frame 0 is the first one read")
-            if dtype == np.uint8 and _same(got * 255, expected, atol=1e-3):
-                raise ExerciseFailed(f"{what}: your values are divided by 255: keep the values the camera gives")
-        expect_tensor(got, expected, what=what)
-        kept = got.clone()
-        camera.read()
-        if not torch.equal(got, kept):
-            raise ExerciseFailed(
-                f"{what}: your result changed when the camera read its next frame: it still shares memory with the camera's array; "
-                "copy each frame"
-            )
+@exercise("pairwise_sq_distances")
+def check_pairwise_sq_distances(fn) -> None:
+    g = _generator(11)
+    cases = [
+        (torch.randn(5, 3, generator=g), torch.randn(4, 3, generator=g)),
+        (torch.randn(4, 2, generator=g), torch.randn(4, 2, generator=g)),  # n == m: a transposed answer keeps the shape
+        (torch.randn(1, 6, generator=g), torch.randn(3, 6, generator=g)),
+        (torch.randn(3, 1, generator=g), torch.randn(2, 1, generator=g)),
+        (torch.randn(4, 5, generator=g).T, torch.randn(2, 4, generator=g)),  # a is not contiguous
+        (torch.randn(2, 4, generator=g, dtype=torch.float64), torch.randn(5, 4, generator=g, dtype=torch.float64)),
+    ]
+    for a, b in cases:
+        a_before, b_before = a.clone(), b.clone()
+        shown = f"a of shape {tuple(a.shape)}, b of shape {tuple(b.shape)}{', float64' if a.dtype == torch.float64 else ''}"
+        got = call(fn, a, b, name="pairwise_sq_distances", shown=shown)
+        what = f"pairwise_sq_distances({shown})"
+        expect_unchanged(a_before, a, what="pairwise_sq_distances")
+        expect_unchanged(b_before, b, what="pairwise_sq_distances")
+        expected = pairwise_sq_distances(a_before, b_before)
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected, atol=1e-4):
+            d = a.shape[1]
+            if _same(got, expected.sqrt(), atol=1e-4):
+                raise ExerciseFailed(f"{what}: your values are the distances, not their squares")
+            if d > 1 and _same(got * d, expected, atol=1e-4):
+                raise ExerciseFailed(f"{what}: your values are the squared distances divided by d = {d}: sum over the coordinates, do not average")
+            if got.shape[0] == got.shape[1] and _same(got.T, expected, atol=1e-4):
+                raise ExerciseFailed(f"{what}: entry [i, j] holds the distance from b[i] to a[j]: is it transposed?")
+        expect_tensor(got, expected, what=what, atol=1e-4, rtol=1e-4)
 
 
 def _batch(seed: int) -> dict:
@@ -391,3 +379,153 @@ def check_batch_to(fn) -> None:
                     raise ExerciseFailed(f"{item}: expected {want.dtype} of shape {tuple(want.shape)}, got {have.dtype} of shape {tuple(have.shape)}")
                 continue
             expect_tensor(have, want, what=item)
+
+
+@exercise("target_logits")
+def check_target_logits(fn) -> None:
+    hints = {
+        "Index tensor must have the same number of dimensions": "gather's index needs as many dimensions as logits: give targets a last dimension of size 1",
+        "indexing tensors could not be broadcast": "an arange over the rows pairs them with targets only for (B, C) logits; this call has other leading dimensions",
+    }
+    g = _generator(8)
+    cases = [
+        ((5, 12), torch.tensor([0, 11, 3, 3, 10])),  # more than 9 classes, a tie, the first and the last class
+        ((2, 5, 5), None),                            # sequences; as many classes as steps, so dim=1 runs too
+        ((1, 4, 6), None),                            # a batch of one
+        ((3, 1, 7), None),                            # sequences of length one
+        ((9,), torch.tensor(4)),                      # one sample, no batch dimension: targets is 0-d
+        ((2, 2, 3, 10), None),
+    ]
+    for k, (shape, targets) in enumerate(cases):
+        dtype = torch.float64 if k >= 4 else torch.float32
+        logits = torch.randn(shape, generator=g, dtype=dtype)
+        if targets is None:
+            targets = torch.randint(0, shape[-1], shape[:-1], generator=g)
+        saved = (logits.clone(), targets.clone())
+        shown = f"logits of shape {shape}{', float64' if dtype == torch.float64 else ''}, targets of shape {tuple(targets.shape)}"
+        got = call(fn, logits, targets, name="target_logits", shown=shown, hints=hints)
+        what = f"target_logits({shown})"
+        expect_unchanged(saved[0], logits, what="target_logits")
+        expect_unchanged(saved[1], targets, what="target_logits")
+        logits, targets = saved
+        expected = target_logits(logits, targets)
+        if isinstance(got, torch.Tensor) and got.shape != expected.shape:
+            if got.shape == expected.shape + (1,) and _same(got.squeeze(-1), expected):
+                raise ExerciseFailed(f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}: gather keeps the size-1 last dimension of its index; remove it (squeeze(-1))")
+            if got.shape == expected.squeeze().shape and _same(got, expected.squeeze()):
+                raise ExerciseFailed(
+                    f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}: squeeze() without a dim also removed "
+                    "a batch or sequence dimension that happens to be 1 here; squeeze(-1) removes only the one gather added"
+                )
+            if logits.ndim == 2 and got.shape == (len(targets), len(targets)) and _same(got, logits[:, targets]):
+                raise ExerciseFailed(
+                    f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}: logits[:, targets] pairs every row "
+                    "with every target; pair row i with targets[i] only (gather, or an arange over the rows)"
+                )
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected):
+            if _same(got, logits.amax(dim=-1)):
+                raise ExerciseFailed(f"{what}: your values are the largest logit of each sample, not the logit of its target")
+            if _same(got, logits.argmax(dim=-1)):
+                raise ExerciseFailed(f"{what}: your values are the predicted classes (argmax), not the logits of the targets")
+            if logits.ndim == 3 and _same(got, logits.gather(1, targets.unsqueeze(1)).squeeze(1)):
+                raise ExerciseFailed(
+                    f"{what}: you gathered along dim 1, which holds the classes only in (B, C) logits: the classes are "
+                    "always the last dimension (dim=-1)"
+                )
+        expect_tensor(got, expected, what=what)
+
+
+def _camera_frames(seed: int, n: int, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+    """n distinct frames: frame t holds values in [20 t, 20 t + 19]."""
+    g = _generator(seed)
+    base = torch.randint(0, 20, shape, generator=g)
+    frames = torch.stack([base + 20 * t for t in range(n)])
+    if np.issubdtype(dtype, np.floating):
+        frames = frames + torch.rand(frames.shape, generator=g, dtype=torch.float64)
+    return frames.numpy().astype(dtype)
+
+
+@exercise("record_frames")
+def check_record_frames(fn) -> None:
+    array_first = "camera.read() gives a NumPy array: make a tensor of it first"
+    hints = {"object has no attribute 'to'": array_first, "object has no attribute 'float'": array_first, "expected Tensor as element": array_first}
+    cases = [(np.uint8, (3, 5), 4), (np.float32, (4, 2), 3), (np.float64, (2, 3), 2), (np.float32, (3, 3), 1)]
+    for k, (dtype, shape, n) in enumerate(cases):
+        frames = _camera_frames(k, n + 2, shape, dtype)
+        camera = Camera(frames)
+        shown = f"a camera of {np.dtype(dtype).name} frames of shape {shape}, n={n}"
+        got = call(fn, camera, n, name="record_frames", shown=shown, hints=hints)
+        what = f"record_frames({shown})"
+        if camera.reads != n:
+            raise ExerciseFailed(f"{what} read {camera.reads} frame(s) from the camera, expected {n}: read each frame once")
+        expected = torch.from_numpy(frames[:n].astype(np.float32))
+        if isinstance(got, torch.Tensor) and tuple(got.shape) == (n * shape[0], shape[1]) and n > 1:
+            raise ExerciseFailed(
+                f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}: the frames are joined along their rows; "
+                "stack them along a new first dimension"
+            )
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected, atol=1e-6) and n > 1:
+            last = expected[-1].expand_as(expected)
+            if _same(got, last, atol=1e-6) and dtype == np.float32 and k > 0:
+                raise ExerciseFailed(
+                    f"{what}: every frame of your result is the last one read, though uint8 frames worked: a conversion that finds "
+                    "the dtype already right returns the same memory (.float(), .to(torch.float32), torch.as_tensor, np.asarray), so nothing was copied"
+                )
+            if _same(got, last, atol=1e-6):
+                raise ExerciseFailed(
+                    f"{what}: every frame of your result is the last one read: camera.read() returns the same array every time, "
+                    "refilled in place, so whatever keeps that array (a list of it, or torch.from_numpy, which shares its memory) "
+                    "ends up with the last frame only: copy each frame when you read it"
+                )
+            if _same(got, expected.flip(0), atol=1e-6):
+                raise ExerciseFailed(f"{what}: the right frames in reverse order: frame 0 is the first one read")
+            if dtype == np.uint8 and _same(got * 255, expected, atol=1e-3):
+                raise ExerciseFailed(f"{what}: your values are divided by 255: keep the values the camera gives")
+        expect_tensor(got, expected, what=what)
+        kept = got.clone()
+        camera.read()
+        if not torch.equal(got, kept):
+            raise ExerciseFailed(
+                f"{what}: your result changed when the camera read its next frame: it still shares memory with the camera's array; "
+                "copy each frame"
+            )
+
+
+@exercise("image_patches")
+def check_image_patches(fn) -> None:
+    hints = {"is invalid for input of size": "a shape that does not fit this image: work the sizes out from image.shape and p"}
+    # Every pixel differs from every other, so each way of scrambling them is told apart. The second image
+    # is cut by both 2 and 3, so that a patch size fixed in the code gives patches instead of an error.
+    cases = [
+        (torch.arange(48, dtype=torch.float32).view(6, 8) / 4 - 5, 2, ""),
+        (torch.arange(72).view(6, 12), 3, ""),
+        (torch.arange(54).view(6, 9).T, 3, " (a transposed view, not contiguous)"),
+        (torch.arange(15, dtype=torch.float32).view(3, 5), 1, ""),
+        (torch.arange(36, dtype=torch.float64).view(6, 6).T, 6, " (a transposed view, not contiguous)"),
+        (torch.arange(200, 232, dtype=torch.uint8).view(4, 8), 4, ""),
+    ]
+    for image, p, note in cases:
+        before = image.clone()
+        shown = f"image of shape {tuple(image.shape)}{note}, p={p}"
+        got = call(fn, image, p, name="image_patches", shown=shown, hints=hints)
+        what = f"image_patches({shown})"
+        expect_unchanged(before, image, what="image_patches")
+        expected = image_patches(before, p)
+        h, w = before.shape
+        for q in range(1, min(h, w) + 1):
+            if q != p and h % q == 0 and w % q == 0 and isinstance(got, torch.Tensor) and _same(got, image_patches(before, q)):
+                raise ExerciseFailed(f"{what}: your patches are {q}x{q}, whatever p is: cut p x p patches, with the p you are given")
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected):
+            if p > 1 and _same(got, before.reshape(-1, p * p)):
+                raise ExerciseFailed(
+                    f"{what}: each row of your result is {p * p} pixels in reading order, which run across several patches: "
+                    "a p x p patch spans p image rows, so reorder the dimensions before you merge them (reshape alone is not permute)"
+                )
+            if _same(got.reshape(-1, p, p).transpose(1, 2).reshape(-1, p * p), expected):
+                raise ExerciseFailed(f"{what}: each patch is flattened column by column; flatten it row by row")
+            if sorted(map(tuple, got.tolist())) == sorted(map(tuple, expected.tolist())):
+                raise ExerciseFailed(
+                    f"{what}: every row is a right patch, but the patches come in another order: "
+                    "left to right along the top, then the next band down"
+                )
+        expect_tensor(got, expected, what=what)

@@ -54,11 +54,13 @@ def grad_at(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch
     return grad
 
 
-def frozen_features(encoder: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """encoder(x) computed under inference_mode, returned as a normal tensor that a later graph can save."""
-    with torch.inference_mode():
-        features = encoder(x)
-    return features.clone()  # outside inference_mode: an ordinary tensor
+def frozen_features(encoder: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """encoder's features of every row of x, batch_size rows at a time, recorded in no graph: a constant for a head to train on."""
+    batches = []
+    with torch.no_grad():  # not inference_mode: the head's backward will save these features
+        for start in range(0, len(x), batch_size):
+            batches.append(encoder(x[start : start + batch_size]))
+    return torch.cat(batches)
 
 
 class LeakyReLU(torch.autograd.Function):
@@ -249,13 +251,17 @@ class _Halve(torch.autograd.Function):
 
 
 def _count_graphs() -> list[tuple[str, torch.Tensor, list[torch.Tensor]]]:
-    """(description, tensor, leaves) for count_ops: shared nodes, repeated kinds, a multi-output op, a custom node, no graph."""
+    """(description, tensor, leaves) for count_ops: shared nodes, a shared pair of links, repeated kinds, a multi-output op, a custom node, no graph."""
     g = torch.Generator().manual_seed(21)
     x = _randn(4, 3, generator=g)
     w = _randn(3, generator=g).requires_grad_()
     b = _randn(generator=g).requires_grad_()
     h = torch.tanh(x @ w + b)
     shared = (h * h).sum() + (h * 3).mean()
+    p = _randn(5, generator=g).requires_grad_()
+    m = (p * 2).sigmoid()
+    m = m * m  # two links into one SigmoidBackward0 node, and this node reached along two paths
+    twice = m.sum() + m.mean()
     v = _randn(6, generator=g).requires_grad_()
     a, c = v.chunk(2)
     custom = _Halve.apply(a) * c + a.exp()
@@ -265,6 +271,7 @@ def _count_graphs() -> list[tuple[str, torch.Tensor, list[torch.Tensor]]]:
         chain = chain.sin() * 1.1
     return [
         ("t = (h * h).sum() + (h * 3).mean() with h = torch.tanh(x @ w + b)", shared, [w, b]),
+        ("t = m.sum() + m.mean() with m = s * s, s = (p * 2).sigmoid()", twice, [p]),
         ("t = Halve.apply(a) * c + a.exp() with a, c = v.chunk(2), Halve a custom Function", custom, [v]),
         ("t = u.sin() * 1.1, eleven times over", chain, [u]),
         ("t = a leaf that requires grad", u, [u]),
@@ -272,26 +279,106 @@ def _count_graphs() -> list[tuple[str, torch.Tensor, list[torch.Tensor]]]:
     ]
 
 
-def _count_per_path(node) -> dict[str, int]:
-    """count_ops without the seen set: a node reached along k paths counted k times."""
-    counts: dict[str, int] = {}
-    if node is None:
+def _name(node) -> str:
+    return type(node).__name__
+
+
+def _add(counts: dict[str, int], node) -> None:
+    if _name(node) != "AccumulateGrad":
+        counts[_name(node)] = counts.get(_name(node), 0) + 1
+
+
+def _count_per_path(t: torch.Tensor) -> dict[str, int]:
+    """count_ops without a seen set, recursing: a node reached along k paths counted k times."""
+
+    def visit(node) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        if node is not None:
+            _add(counts, node)
+            for parent, _ in node.next_functions:
+                for name, n in visit(parent).items():
+                    counts[name] = counts.get(name, 0) + n
         return counts
-    if type(node).__name__ != "AccumulateGrad":
-        counts[type(node).__name__] = 1
-    for parent, _ in node.next_functions:
-        for name, n in _count_per_path(parent).items():
-            counts[name] = counts.get(name, 0) + n
+
+    return visit(t.grad_fn)
+
+
+def _count_per_link(t: torch.Tensor) -> dict[str, int]:
+    """count_ops that counts a node each time next_functions lists it, but walks on from it once."""
+    counts: dict[str, int] = {}
+    root = t.grad_fn
+    if root is None:
+        return counts
+    _add(counts, root)
+    seen, todo = {root}, [root]
+    while todo:
+        for parent, _ in todo.pop().next_functions:
+            if parent is not None:
+                _add(counts, parent)
+                if parent not in seen:
+                    seen.add(parent)
+                    todo.append(parent)
     return counts
 
 
-def _count_one_level(node) -> dict[str, int]:
+def _count_kinds_once(t: torch.Tensor) -> dict[str, int]:
+    """count_ops with a seen set of names instead of nodes: each kind once."""
+    return dict.fromkeys(count_ops(t), 1)
+
+
+def _count_without_root(t: torch.Tensor) -> dict[str, int]:
+    counts = count_ops(t)
+    if t.grad_fn is not None:
+        counts[_name(t.grad_fn)] -= 1
+    return {k: n for k, n in counts.items() if n}
+
+
+def _count_one_level(t: torch.Tensor) -> dict[str, int]:
     """count_ops that stops at t.grad_fn's direct inputs."""
-    counts = {type(node).__name__: 1}
-    for parent, _ in node.next_functions:
-        if parent is not None and type(parent).__name__ != "AccumulateGrad":
-            counts[type(parent).__name__] = counts.get(type(parent).__name__, 0) + 1
+    counts: dict[str, int] = {}
+    root = t.grad_fn
+    if root is not None:
+        _add(counts, root)
+        for parent, _ in root.next_functions:
+            if parent is not None:
+                _add(counts, parent)
     return counts
+
+
+def _count_first_inputs(t: torch.Tensor) -> dict[str, int]:
+    """count_ops that follows only the first input of each node, next_functions[0]."""
+    counts: dict[str, int] = {}
+    node = t.grad_fn
+    while node is not None and _name(node) != "AccumulateGrad":
+        _add(counts, node)
+        node = node.next_functions[0][0] if node.next_functions else None
+    return counts
+
+
+def _most_over(expected: dict[str, int], got: dict[str, int]) -> str:
+    """The kind counted most times over (or left out the most), shown as 'name' is n node(s), counted k times."""
+    name = max([*expected, *(k for k in got if k not in expected)], key=lambda k: abs(got.get(k, 0) - expected.get(k, 0)) / max(expected.get(k, 0), 1))
+    n = expected.get(name, 0)
+    return f"{name!r} is {n} node{'s' if n != 1 else ''}, counted {got.get(name, 0)} time{'s' if got.get(name, 0) != 1 else ''}"
+
+
+# A typical wrong walk, and what to say when an answer matches it on every hidden graph.
+_COUNT_FAULTS = [
+    (_count_per_path, lambda e, g, root: (
+        f"a node reached along several paths was counted once per path ({_most_over(e, g)}); remember the nodes already seen")),
+    (_count_per_link, lambda e, g, root: (
+        f"a node was counted once for each link into it ({_most_over(e, g)}): next_functions lists a node once per use; "
+        "count a node when you first reach it, and skip it when you meet it again")),
+    (_count_kinds_once, lambda e, g, root: (
+        f"counts each kind once, but separate nodes of one kind count separately ({_most_over(e, g)}); "
+        "remember nodes, not names")),
+    (_count_without_root, lambda e, g, root: (
+        f"leaves out t.grad_fn itself ({_name(root)}): the last operation counts too")),
+    (_count_one_level, lambda e, g, root: "counts only t.grad_fn and its direct inputs: follow next_functions all the way back to the leaves"),
+    (_count_first_inputs, lambda e, g, root: (
+        "follows only the first input of each node (next_functions[0]): a node has one entry per input, and each leads "
+        "further back; visit them all")),
+]
 
 
 def _first_difference(expected: dict[str, int], got: dict) -> str:
@@ -301,62 +388,56 @@ def _first_difference(expected: dict[str, int], got: dict) -> str:
     return ""
 
 
+def _as_counts(got: Any, what: str) -> dict[str, int]:
+    """The learner's answer as a dict of names to ints, or a one-line failure that says what it is instead."""
+    if got is None:
+        raise ExerciseFailed(f"{what} returned None: did you forget to `return` the dict?")
+    if isinstance(got, (list, tuple, set)) and all(isinstance(k, str) for k in got):
+        raise ExerciseFailed(f"{what} is a {type(got).__name__} of names: count them, in a dict such as {{'MulBackward0': 2}}")
+    if not isinstance(got, dict):
+        raise ExerciseFailed(f"{what} is {a_type(got)}, expected a dict such as {{'MulBackward0': 2}}")
+    got = dict(got)
+    keys = list(got)
+    if any(isinstance(k, type) for k in keys):
+        raise ExerciseFailed(f"{what}: the keys are classes; use their names, type(node).__name__")
+    if any(isinstance(k, torch.autograd.graph.Node) for k in keys):
+        raise ExerciseFailed(f"{what}: the keys are the nodes themselves; use their class names, type(node).__name__, and count")
+    if not all(isinstance(k, str) for k in keys):
+        raise ExerciseFailed(f"{what}: the keys must be node names (str), got {type(next(k for k in keys if not isinstance(k, str))).__name__}")
+    if any(" object at " in k for k in keys):
+        raise ExerciseFailed(f"{what}: the keys are str(node), such as '<MulBackward0 object at 0x...>'; use type(node).__name__")
+    if "NoneType" in got or "None" in got:
+        raise ExerciseFailed(f"{what} counts None as a node: None in next_functions stands for an input that needs no gradient; skip it")
+    if any("AccumulateGrad" in k for k in keys):
+        raise ExerciseFailed(f"{what} counts AccumulateGrad nodes: they stand for leaves, not operations; leave them out")
+    if not all(type(n) is int for n in got.values()):
+        raise ExerciseFailed(f"{what}: the counts must be Python ints, got {type(next(n for n in got.values() if type(n) is not int)).__name__}")
+    return got
+
+
 @exercise("count_ops")
 def check_count_ops(fn) -> None:
-    for text, t, leaves in _count_graphs():
-        expected = count_ops(t)
+    graphs = _count_graphs()
+    answers = []  # (what, t, expected, got) for each hidden graph
+    for text, t, leaves in graphs:
         what = f"count_ops(t) for {text}"
         got = _call(fn, t, shown=f"tensor of shape {tuple(t.shape)}")
         if any(leaf.grad is not None for leaf in leaves):
             raise ExerciseFailed("count_ops ran backward(), which filled the leaves' .grad: only read the graph, through grad_fn and next_functions")
-        if got is None:
-            raise ExerciseFailed(f"{what} returned None: did you forget to `return` the dict?")
-        if isinstance(got, (list, tuple, set)) and all(isinstance(k, str) for k in got):
-            raise ExerciseFailed(f"{what} is a {type(got).__name__} of names: count them, in a dict such as {{'MulBackward0': 2}}")
-        if not isinstance(got, dict):
-            raise ExerciseFailed(f"{what} is {a_type(got)}, expected a dict such as {{'MulBackward0': 2}}")
-        got = dict(got)
-        keys = list(got)
-        if any(isinstance(k, type) for k in keys):
-            raise ExerciseFailed(f"{what}: the keys are classes; use their names, type(node).__name__")
-        if any(isinstance(k, torch.autograd.graph.Node) for k in keys):
-            raise ExerciseFailed(f"{what}: the keys are the nodes themselves; use their class names, type(node).__name__, and count")
-        if not all(isinstance(k, str) for k in keys):
-            raise ExerciseFailed(f"{what}: the keys must be node names (str), got {type(next(k for k in keys if not isinstance(k, str))).__name__}")
-        if any(" object at " in k for k in keys):
-            raise ExerciseFailed(f"{what}: the keys are str(node), such as '<MulBackward0 object at 0x...>'; use type(node).__name__")
-        if "NoneType" in got or "None" in got:
-            raise ExerciseFailed(
-                f"{what} counts None as a node: None in next_functions stands for an input that needs no gradient; skip it"
-            )
-        if any("AccumulateGrad" in k for k in keys):
-            raise ExerciseFailed(f"{what} counts AccumulateGrad nodes: they stand for leaves, not operations; leave them out")
-        if not all(type(n) is int for n in got.values()):
-            raise ExerciseFailed(f"{what}: the counts must be Python ints, got {type(next(n for n in got.values() if type(n) is not int)).__name__}")
-        if got == expected:
-            continue
-        root = t.grad_fn
-        if root is None:
+        answers.append((what, t, count_ops(t), _as_counts(got, what)))
+    wrong = [answer for answer in answers if answer[3] != answer[2]]
+    if wrong:
+        # A typical wrong walk is named only when the answer matches it on every hidden graph.
+        for walk, message in _COUNT_FAULTS:
+            predicted = [walk(t) for _, t, _, _ in answers]
+            if predicted == [got for *_, got in answers] and predicted != [expected for _, _, expected, _ in answers]:
+                what, t, expected, got = next(a for a, p in zip(answers, predicted) if p != a[2])
+                raise ExerciseFailed(f"{what}: {message(expected, got, t.grad_fn)}")
+        what, t, expected, got = wrong[0]
+        if t.grad_fn is None:
             raise ExerciseFailed(f"{what}: expected {{}}, since t has no graph (its grad_fn is None), got {got}")
-        per_path = _count_per_path(root)
-        if got == per_path:
-            name = max(expected, key=lambda k: per_path[k] / expected[k])  # the most over-counted: a shared node
-            nodes = f"{expected[name]} node{'s' if expected[name] > 1 else ''}"
-            raise ExerciseFailed(
-                f"{what}: a node reached along several paths was counted once per path ({name!r} is {nodes}, counted {per_path[name]} times); remember the nodes already seen"
-            )
-        if len(expected) < sum(expected.values()) and got == dict.fromkeys(expected, 1):
-            name = next(k for k, n in expected.items() if n > 1)
-            raise ExerciseFailed(
-                f"{what} counts each kind once, but separate nodes of one kind count separately ({name!r}: expected {expected[name]}); remember nodes, not names"
-            )
-        without_root = {**expected, type(root).__name__: expected[type(root).__name__] - 1}
-        if got == {k: n for k, n in without_root.items() if n}:
-            raise ExerciseFailed(f"{what} leaves out t.grad_fn itself ({type(root).__name__}): the last operation counts too")
-        if got == _count_one_level(root):
-            raise ExerciseFailed(f"{what} counts only t.grad_fn and its direct inputs: follow next_functions all the way back to the leaves")
         raise ExerciseFailed(f"{what}: {_first_difference(expected, got)} (expected {expected})")
-    for text, t, leaves in _count_graphs()[:1]:  # the graph must still work after the walk
+    for text, t, leaves in _count_graphs()[:1]:  # a fresh graph must still work after the walk
         _call(fn, t, shown=f"tensor of shape {tuple(t.shape)}")
         try:
             torch.autograd.grad(t, leaves)
@@ -498,69 +579,110 @@ def check_grad_at(fn) -> None:
 
 
 class _Encoder:
-    """A frozen encoder for frozen_features: tanh(x @ weight + bias); it records the modes it ran under and what it returned."""
+    """A frozen encoder for frozen_features: tanh(x @ weight + bias); it records each call's rows, modes and output."""
 
     def __init__(self, d_in: int, d_out: int, dtype: torch.dtype, seed: int):
         g = torch.Generator().manual_seed(seed)
         self.weight = _randn(d_in, d_out, generator=g).to(dtype).requires_grad_()
         self.bias = _randn(d_out, generator=g).to(dtype).requires_grad_()
-        self.calls: list[tuple[bool, bool, torch.Tensor]] = []
+        self.calls: list[tuple[torch.Tensor, bool]] = []  # (rows, whether autograd recorded a graph for this call)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.tanh(x @ self.weight + self.bias)
-        self.calls.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled(), out))
+        self.calls.append((x.detach().clone(), out.requires_grad))
         return out
 
     def __repr__(self) -> str:
         return f"encoder({self.weight.shape[0]} -> {self.weight.shape[1]})"
 
 
+# (rows, batch_size, d_in, d_out, dtype, whether the caller has grad mode off): a partial last batch, an exact split,
+# a batch_size larger than x, float64.
+_FEATURE_CASES = [
+    (150, 64, 3, 4, torch.float32, False),
+    (12, 5, 2, 3, torch.float64, False),
+    (9, 3, 4, 2, torch.float32, True),
+    (5, 8, 6, 2, torch.float32, False),
+]
+
+
+def _expect_batches(calls: list, x: torch.Tensor, batch_size: int, what: str) -> None:
+    """The encoder saw every row of x once, in order, in batches of batch_size rows, the last one the rest."""
+    if not calls:
+        raise ExerciseFailed(f"{what} never called encoder: run encoder on each batch of x")
+    sizes = [len(rows) for rows, _ in calls]
+    if max(sizes) > batch_size:
+        whole = " (the whole of x at once)" if max(sizes) == len(x) else ""
+        raise ExerciseFailed(
+            f"{what} ran encoder on {max(sizes)} rows in one call{whole}, more than batch_size={batch_size}: "
+            "split x into batches of at most batch_size rows, x[i : i + batch_size]"
+        )
+    seen = torch.cat([rows for rows, _ in calls])
+    if seen.shape[1:] == x.shape[1:] and len(seen) < len(x) and torch.equal(seen, x[: len(seen)]):
+        raise ExerciseFailed(
+            f"{what}: the last {len(x) - len(seen)} rows of x never went through encoder: the last batch is smaller "
+            "and holds the rest; range(0, len(x), batch_size) starts one batch at each multiple of batch_size"
+        )
+    if len(seen) > len(x):
+        raise ExerciseFailed(
+            f"{what} ran encoder on {len(seen)} rows in all, for an x of {len(x)} rows: each row goes through it once"
+        )
+    if not (seen.shape == x.shape and torch.equal(seen, x)):
+        raise ExerciseFailed(f"{what} gave encoder other rows than those of x, in order: batch i is x[i * batch_size : (i + 1) * batch_size]")
+    full, rest = divmod(len(x), batch_size)
+    if sizes != [batch_size] * full + ([rest] if rest else []):
+        shown = ", ".join(map(str, sizes[:4])) + (", ..." if len(sizes) > 4 else "")
+        raise ExerciseFailed(
+            f"{what} ran encoder on batches of {shown} rows: each batch holds batch_size={batch_size} rows, the last one the rest"
+        )
+
+
 @exercise("frozen_features")
 def check_frozen_features(fn) -> None:
     g = torch.Generator().manual_seed(41)
-    for (batch, d_in, d_out, dtype), seed in zip(((5, 3, 4, torch.float32), (1, 6, 2, torch.float32), (3, 2, 3, torch.float64)), (1, 2, 3)):
+    for seed, (rows, batch_size, d_in, d_out, dtype, caller_off) in enumerate(_FEATURE_CASES, start=1):
         encoder = _Encoder(d_in, d_out, dtype, seed)
-        x = _randn(batch, d_in, generator=g).to(dtype)
+        x = _randn(rows, d_in, generator=g).to(dtype)
         x_before = x.clone()
         with torch.no_grad():
             expected = torch.tanh(x @ encoder.weight + encoder.bias)
-        what = f"frozen_features(encoder, tensor of shape {tuple(x.shape)})"
+        caller = " (called inside the caller's torch.no_grad())" if caller_off else ""
+        what = f"frozen_features(encoder, tensor of shape {tuple(x.shape)}, batch_size={batch_size}){caller}"
         try:
-            got = _call(fn, encoder, x, shown=f"{encoder!r}, tensor of shape {tuple(x.shape)}")
+            with torch.set_grad_enabled(not caller_off):  # restores the caller's mode on exit, whatever the learner's code does
+                got = _call(fn, encoder, x, batch_size, shown=f"{encoder!r}, tensor of shape {tuple(x.shape)}, {batch_size}")
+                grad_after = torch.is_grad_enabled()
         finally:
-            grad_mode_left_off = not torch.is_grad_enabled()
-            torch.set_grad_enabled(True)
-        if torch.is_inference_mode_enabled():
-            raise ExerciseFailed("frozen_features left inference mode switched on for the caller: use a `with torch.inference_mode():` block, which ends it")
-        if grad_mode_left_off:
+            inference_left_on = torch.is_inference_mode_enabled()
+        if inference_left_on:
+            raise ExerciseFailed("frozen_features left inference mode switched on for the caller: a `with` block ends it")
+        if grad_after == caller_off:
+            state = "off" if caller_off else "on"
             raise ExerciseFailed(
-                "frozen_features left autograd switched off for the caller (torch.is_grad_enabled() was False afterwards): use a `with` block, which restores the mode"
+                f"{what} left autograd switched {'on' if caller_off else 'off'} for the caller, who had it {state} "
+                "(torch.is_grad_enabled() changed): use `with torch.no_grad():`, which puts back the mode it found"
             )
-        if not encoder.calls:
-            raise ExerciseFailed(f"{what} never called encoder: run encoder(x) under torch.inference_mode()")
-        if len(encoder.calls) > 1:
-            raise ExerciseFailed(f"{what} called encoder {len(encoder.calls)} times: run it once, under torch.inference_mode()")
-        inference, grad_enabled, out = encoder.calls[0]
-        if not inference and grad_enabled:
-            raise ExerciseFailed(f"{what} ran encoder with autograd recording: run it inside `with torch.inference_mode():`")
-        if not inference:
-            raise ExerciseFailed(f"{what} ran encoder with grad mode off, as torch.no_grad() does, not in inference mode: use torch.inference_mode()")
-        if isinstance(got, torch.Tensor) and got.is_inference():
-            if got.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
-                raise ExerciseFailed(
-                    f"{what} is the encoder's inference tensor itself (or a view of it, such as .detach()): autograd cannot save it for the head's backward; copy it into a normal tensor after the inference_mode block"
-                )
+        _expect_batches(encoder.calls, x, batch_size, what)
+        if any(recorded for _, recorded in encoder.calls):
             raise ExerciseFailed(
-                f"{what} is an inference tensor: everything created inside inference_mode is one, a copy made there included; make the copy after the with block"
+                f"{what} ran encoder while autograd was recording: that builds a graph through the frozen encoder and keeps "
+                "every batch's intermediate values in memory (a .detach() afterwards comes too late); run it under torch.no_grad()"
+            )
+        if isinstance(got, (list, tuple)) and got and all(isinstance(t, torch.Tensor) for t in got):
+            raise ExerciseFailed(f"{what} is a {type(got).__name__} of {len(got)} tensors, one per batch: join them into one with torch.cat")
+        if isinstance(got, torch.Tensor) and got.is_inference():
+            raise ExerciseFailed(
+                f"{what} is an inference tensor (made inside inference_mode): the head's backward cannot save it; "
+                "torch.no_grad() gives ordinary tensors, and inference_mode is for results that never meet autograd again"
             )
         if isinstance(got, torch.Tensor) and got.requires_grad:
             raise ExerciseFailed(f"{what} requires grad: the features are a constant input for the head; return them without a graph")
-        expect_tensor(got, expected, what=what, atol=1e-6)
+        expect_tensor(got, expected, what=what, atol=1e-5)
         if not torch.equal(x, x_before):
             raise ExerciseFailed("frozen_features modified the caller's x in place")
         if not (encoder.weight.requires_grad and encoder.bias.requires_grad):
             raise ExerciseFailed(
-                "frozen_features switched off requires_grad on the encoder's weights: leave the caller's tensors alone; inference_mode alone stops the recording"
+                "frozen_features switched off requires_grad on the encoder's weights: leave the caller's tensors alone; torch.no_grad() alone stops the recording"
             )
         if encoder.weight.grad is not None or encoder.bias.grad is not None:
             raise ExerciseFailed("frozen_features filled the encoder's .grad: the encoder is frozen, nothing may backpropagate into it")

@@ -99,6 +99,23 @@ def make_causal_attention(embed_dim: int, num_heads: int, max_len: int) -> nn.Mo
     return CausalSelfAttention()
 
 
+def make_norm_block(f: nn.Module, dim: int, norm_first: bool) -> nn.Module:
+    """A residual block around the sublayer f with a LayerNorm(dim) of its own: x + f(norm(x)) if norm_first, else norm(x + f(x))."""
+
+    class NormBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = f
+            self.norm = nn.LayerNorm(dim)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if norm_first:
+                return x + self.f(self.norm(x))  # pre-norm (GPT-2 onward): the skip path stays untouched
+            return self.norm(x + self.f(x))  # post-norm (the original Transformer)
+
+    return NormBlock()
+
+
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """The accuracy of model over batches, in eval mode and without a graph; every module keeps the mode it had."""
     modes = {module: module.training for module in model.modules()}
@@ -140,6 +157,10 @@ _SHAPE_MISTAKES = {
     "linear": "a Linear replaced every dimension after the batch: it acts on the last dimension only, the others pass through",
     "flatten": "Flatten merged every dimension after the batch: it merges its start_dim to its end_dim "
     "(Flatten(start_dim=2) keeps the channels apart)",
+    "end_dim": "Flatten merged every dimension from its start_dim to the last: it stops at its end_dim "
+    "(Flatten(1, 2) turns (N, C, H, W) into (N, C * H, W))",
+    "pool dilation": "the pooling shapes ignore dilation: MaxPool2d has a dilation too, which spreads its window "
+    "as a Conv2d's (AvgPool2d has none)",
 }
 
 
@@ -154,14 +175,15 @@ def _predict(model: nn.Sequential, input_shape: tuple[int, ...], fault: str | No
     for layer in model:
         if isinstance(layer, (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)):
             kernel, stride, padding = pair(layer.kernel_size), pair(layer.stride), pair(layer.padding)
-            dilation = (1, 1) if fault == "dilation" else pair(getattr(layer, "dilation", 1))
+            ignored = fault == "dilation" or (fault == "pool dilation" and not isinstance(layer, nn.Conv2d))
+            dilation = (1, 1) if ignored else pair(getattr(layer, "dilation", 1))
             for i, dim in enumerate((-2, -1)):
                 top = shape[dim] + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1
                 shape[dim] = (-(-top // stride[i]) if fault == "ceil" else top // stride[i]) + 1
             if isinstance(layer, nn.Conv2d) and fault != "channels":
                 shape[-3] = layer.out_channels
         elif isinstance(layer, nn.Flatten):
-            start, end = (1, -1) if fault == "flatten" else (layer.start_dim, layer.end_dim)
+            start, end = (1, -1) if fault == "flatten" else (layer.start_dim, -1 if fault == "end_dim" else layer.end_dim)
             start, end = start % len(shape), end % len(shape)
             shape[start : end + 1] = [math.prod(shape[start : end + 1])]
         elif isinstance(layer, nn.Linear):
@@ -171,7 +193,8 @@ def _predict(model: nn.Sequential, input_shape: tuple[int, ...], fault: str | No
 
 
 def _shape_models() -> list[tuple[nn.Sequential, tuple[int, ...], str]]:
-    """Hidden models: pairs of settings, dilation, padded and default-stride pooling, Flatten(start_dim=2), batch of 1."""
+    """Hidden models: pairs of settings, dilation (of a pool too), padded and default-stride pooling, Flatten(start_dim=2),
+    Flatten(1, 2), batch of 1."""
     first = nn.Sequential(
         nn.Conv2d(3, 10, kernel_size=(3, 5), stride=(2, 1), padding=(1, 2)), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(10, 12, 3, dilation=2), nn.BatchNorm2d(12), nn.AvgPool2d(3, stride=2, padding=1),
@@ -184,10 +207,14 @@ def _shape_models() -> list[tuple[nn.Sequential, tuple[int, ...], str]]:
         nn.Conv2d(1, 6, kernel_size=(4, 3), stride=2, padding=(0, 3), dilation=(1, 2)), nn.ReLU(),
         nn.MaxPool2d(3, stride=1, padding=1), nn.AvgPool2d((3, 2)), nn.Flatten(), nn.Linear(54, 13),
     )
+    fourth = nn.Sequential(
+        nn.Conv2d(3, 5, 3, padding=2), nn.MaxPool2d(3, stride=2, dilation=2), nn.Flatten(1, 2), nn.Linear(11, 6),
+    )
     return [
         (first, (2, 3, 37, 30), "a 9-layer CNN"),
         (second, (1, 2, 41, 50), "a CNN ending in Flatten(start_dim=2), Linear"),
         (third, (3, 1, 20, 9), "a CNN with a dilated (4, 3) kernel"),
+        (fourth, (2, 3, 17, 23), "a CNN with a dilated MaxPool2d and Flatten(1, 2)"),
     ]
 
 
@@ -650,6 +677,122 @@ def check_make_causal_attention(fn) -> None:
             expect_tensor(got, expected, what=label, atol=1e-5)
 
 
+# ---- make_norm_block ----------------------------------------------------------------------------
+
+class _Sublayer(nn.Module):
+    """The hidden f of make_norm_block: a small MLP that notes each call's input."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.inputs: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inputs.append(x.detach().clone())
+        return self.down(F.gelu(self.up(x)))
+
+
+def _orders(x: torch.Tensor, f: Callable, norm: Callable) -> dict[str, torch.Tensor]:
+    """What each way of combining x, f and norm gives: the two right orders and the typical mistakes."""
+    return {
+        "pre": x + f(norm(x)),
+        "post": norm(x + f(x)),
+        "normed skip": norm(x) + f(norm(x)),
+        "no skip, pre": f(norm(x)),
+        "no skip, post": norm(f(x)),
+        "norm of f": x + norm(f(x)),
+        "norm twice": norm(x + f(norm(x))),
+    }
+
+
+_ORDER_NAMES = {"pre": "the pre-norm order, x + f(norm(x))", "post": "the post-norm order, norm(x + f(x))"}
+_ORDER_FAULTS = {
+    "normed skip": "adds norm(x) to the branch, norm(x) + f(norm(x)): in pre-norm only f sees the normalised x; "
+    "the skip carries x itself, untouched",
+    "no skip, pre": "returns f(norm(x)) with no skip connection: add x, the residual",
+    "no skip, post": "returns norm(f(x)) with no skip connection: add x before the norm, norm(x + f(x))",
+    "norm of f": "returns x + norm(f(x)), which normalises f's output: pre-norm normalises f's input, post-norm the sum",
+    "norm twice": "applies the norm both to f's input and to the sum, norm(x + f(norm(x))): use one, as norm_first says",
+}
+
+
+def _norm_cases() -> list[tuple[int, int, bool, tuple[int, ...]]]:
+    """(dim, hidden, norm_first, input shape): both orders for each dim, 2-D and 3-D inputs, a batch of 1."""
+    return [(6, 12, True, (4, 6)), (6, 12, False, (2, 5, 6)), (10, 7, False, (3, 10)), (10, 7, True, (1, 3, 10))]
+
+
+def _own_norms(block: nn.Module, f: nn.Module) -> list[nn.LayerNorm]:
+    inside_f = {id(m) for m in f.modules()}
+    return [m for m in block.modules() if isinstance(m, nn.LayerNorm) and id(m) not in inside_f]
+
+
+def _expect_norm_layout(block: nn.Module, f: nn.Module, dim: int, what: str) -> list[nn.LayerNorm]:
+    """f registered in the block, and a LayerNorm(dim) of the block's own, with a learnable scale and shift."""
+    expect_module(block, what=what)
+    if not any(m is f for m in block.modules()):
+        raise ExerciseFailed(
+            f"{what} does not hold f as a sub-module (block.modules() lacks it), so f's parameters are not the block's: "
+            "assign it as an attribute, self.f = f"
+        )
+    norms = _own_norms(block, f)
+    if not norms:
+        raise ExerciseFailed(f"{what} holds no nn.LayerNorm of its own: create self.norm = nn.LayerNorm(dim) in __init__")
+    for norm in norms:
+        if tuple(norm.normalized_shape) != (dim,):
+            raise ExerciseFailed(f"{what}'s LayerNorm normalises over {tuple(norm.normalized_shape)}, expected ({dim},): the last dimension, dim")
+        if norm.weight is None:
+            raise ExerciseFailed(f"{what}'s LayerNorm has no learnable scale and shift: keep elementwise_affine=True")
+    known = {id(p) for p in f.parameters()} | {id(p) for n in norms for p in n.parameters()}
+    extra = [name for name, p in block.named_parameters() if id(p) not in known]
+    if extra:
+        raise ExerciseFailed(f"{what} has parameters besides f's and its LayerNorm's: {', '.join(extra)}")
+    return norms
+
+
+@exercise("make_norm_block")
+def check_make_norm_block(fn) -> None:
+    for dim, hidden, norm_first, shape in _norm_cases():
+        with _seeded(30 + dim + norm_first):
+            f = _Sublayer(dim, hidden)
+            x = 3 * torch.randn(shape) + 1.5  # far from normalised, so that a norm shows where it acts
+        what = f"make_norm_block(f, {dim}, norm_first={norm_first})"
+        block = call(fn, f, dim, norm_first, shown=f"f, {dim}, {norm_first}")
+        norms = _expect_norm_layout(block, f, dim, what)
+        with torch.no_grad():  # a trained-looking scale and shift, so that a norm without them shows
+            for norm in norms:
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+        x0 = x.clone()
+        f.inputs.clear()
+        got = call(block, x, name=f"{what}'s block", shown=f"x of shape {tuple(x.shape)}", kind="module")
+        expect_unchanged(x0, x, what=f"{what}'s forward")
+        if len(f.inputs) != 1:
+            raise ExerciseFailed(f"{what}'s forward called f {len(f.inputs)} times: call it once per forward")
+        label = f"{what}'s output for x of shape {tuple(x.shape)}"
+        right, wrong = ("pre", "post") if norm_first else ("post", "pre")
+        with torch.no_grad():
+            candidates = [_orders(x0, f.forward, norm) for norm in norms]  # one set per LayerNorm the block holds
+        if not (isinstance(got, torch.Tensor) and got.shape == x.shape):
+            expect_tensor(got, candidates[0][right], what=label)  # not a tensor, or the wrong shape: its own line
+        if not any(torch.allclose(got, c[right], atol=1e-5) for c in candidates):
+            if any(torch.allclose(got, c[wrong], atol=1e-5) for c in candidates):
+                meaning = "the norm first, inside the branch" if norm_first else "the norm last, on the sum"
+                raise ExerciseFailed(f"{what} built {_ORDER_NAMES[wrong]}; norm_first={norm_first} asks for {meaning}: {_ORDER_NAMES[right]}")
+            for fault, message in _ORDER_FAULTS.items():
+                if any(torch.allclose(got, c[fault], atol=1e-5) for c in candidates):
+                    raise ExerciseFailed(f"{what} {message}")
+            with torch.no_grad():
+                plain = _orders(x0, f.forward, lambda t: F.layer_norm(t, (dim,)))
+            if torch.allclose(got, plain[right], atol=1e-5):
+                raise ExerciseFailed(
+                    f"{what}'s norm ignores the LayerNorm's own weight and bias (a LayerNorm made afresh in forward, "
+                    "or F.layer_norm without them): create self.norm once in __init__ and call it"
+                )
+            expect_tensor(got, candidates[0][right], what=label, atol=1e-5)
+        if not got.requires_grad:
+            raise ExerciseFailed(f"{label} carries no graph: a block must stay trainable, so do not run it under torch.no_grad()")
+
+
 # ---- evaluate -----------------------------------------------------------------------------------
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -708,13 +851,14 @@ def check_evaluate(fn) -> None:
             model[1].eval()
             model[0].requires_grad_(False)
 
-    scenarios = [
-        ("train", batches, right, "a model in train mode, batches of 8, 8 and 3"),
-        ("eval", batches, right, "a model in eval mode, batches of 8, 8 and 3"),
-        ("mixed", batches, right, "a model in train mode with its BatchNorm in eval mode, batches of 8, 8 and 3"),
-        ("train", tiny, right_tiny, "a model in train mode, batches of 1 and 5"),
+    scenarios = [  # (modes, batches, right answers per batch, shown, whether the caller tracks gradients)
+        ("train", batches, right, "a model in train mode, batches of 8, 8 and 3", True),
+        ("eval", batches, right, "a model in eval mode, batches of 8, 8 and 3", True),
+        ("mixed", batches, right, "a model in train mode with its BatchNorm in eval mode, batches of 8, 8 and 3", True),
+        ("train", tiny, right_tiny, "a model in train mode, batches of 1 and 5", True),
+        ("train", tiny, right_tiny, "a model in train mode, batches of 1 and 5, called inside the caller's torch.no_grad()", False),
     ]
-    for mode, data, right, shown in scenarios:
+    for mode, data, right, shown, caller_grad in scenarios:
         set_up(mode)
         before = _snapshot(model)
         flags = {name: p.requires_grad for name, p in model.named_parameters()}
@@ -723,7 +867,7 @@ def check_evaluate(fn) -> None:
         handles = [m.register_forward_pre_hook(_recorder(name, seen)) for name, m in model.named_modules()]
         what = f"evaluate({shown})"
         try:
-            with torch.enable_grad():  # restores the caller's setting, whatever the learner's code sets
+            with torch.set_grad_enabled(caller_grad):  # restores the caller's setting, whatever the learner's code sets
                 got = call(fn, model, inputs, shown=shown, hints=_EVAL_HINTS)
                 grad_after = torch.is_grad_enabled()
         finally:
@@ -735,9 +879,14 @@ def check_evaluate(fn) -> None:
             raise ExerciseFailed(f"{what} ran {layer} in train mode: switch the model to eval mode before running it")
         if any(grad for *_, grad in seen):
             raise ExerciseFailed(f"{what} ran the model with gradient tracking on: run it under torch.no_grad() (or torch.inference_mode())")
-        if not grad_after:
+        if grad_after != caller_grad and caller_grad:
             raise ExerciseFailed(
                 f"{what} left gradient tracking switched off for everything after it: use `with torch.no_grad():`, which ends with its block"
+            )
+        if grad_after != caller_grad:
+            raise ExerciseFailed(
+                f"{what} switched gradient tracking on for the code after it, which had it off: put back the setting you found "
+                "(a `with torch.no_grad():` block does; torch.set_grad_enabled(True) does not)"
             )
         for name, training in before["modes"].items():
             now = model.get_submodule(name).training
@@ -823,13 +972,21 @@ def _new_head(head_name: str) -> nn.Module:
     return nn.Linear(24, 13) if head_name == "head" else nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 5))
 
 
-def _model_factory(head_name: str, built: list[str]) -> Callable[[], nn.Module]:
-    """The learner's make_model: builds the new model, noting on which device each call builds it."""
+def _model_factory(head_name: str, built: list[str], allocated: list[str]) -> Callable[[], nn.Module]:
+    """The learner's make_model: builds the new model, noting on which device each call builds it, and which of its
+    tensors already held memory when load_state_dict came to fill them from the checkpoint."""
+
+    def note_allocated(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+        for name, t in itertools.chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False)):
+            if prefix + name in state_dict and not t.is_meta:
+                allocated.append(prefix + name)
 
     def make_model() -> nn.Module:
         built.append(torch.empty(0).device.type)
         model = _Finetuned(head_name, _new_head(head_name))
         model.body[0].requires_grad_(False)  # fine-tuning keeps the first layer frozen
+        for module in model.modules():
+            module.register_load_state_dict_pre_hook(note_allocated)
         return model
 
     return make_model
@@ -863,7 +1020,8 @@ def check_load_pretrained(fn) -> None:
         shown = f"make_model (a new {head_name}), a checkpoint with the body and an old {old_head_name}"
         what = f"load_pretrained({shown})"
         built: list[str] = []
-        make_model = _model_factory(head_name, built)
+        allocated: list[str] = []
+        make_model = _model_factory(head_name, built, allocated)
 
         with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as folder:
             path = os.path.join(folder, "pretrained.pt")
@@ -887,12 +1045,14 @@ def check_load_pretrained(fn) -> None:
                     f"{what} left the default device at {left}: build inside `with torch.device('meta'):`, which ends with its block"
                 )
             try:
-                _expect_pretrained(got, built, checkpoint, path, head_name, old_keys, what)
+                _expect_pretrained(got, built, allocated, checkpoint, path, head_name, old_keys, what)
             finally:
                 del got
 
 
-def _expect_pretrained(got: Any, built: list[str], checkpoint: dict, path: str, head_name: str, old_keys: list[str], what: str) -> None:
+def _expect_pretrained(
+    got: Any, built: list[str], allocated: list[str], checkpoint: dict, path: str, head_name: str, old_keys: list[str], what: str
+) -> None:
     if not built:
         raise ExerciseFailed(f"{what} never called make_model(): build the model with it")
     if len(built) > 1:
@@ -901,6 +1061,11 @@ def _expect_pretrained(got: Any, built: list[str], checkpoint: dict, path: str, 
         raise ExerciseFailed(
             f"{what} called make_model() on the {built[0]} device, which allocates and initialises every weight only to "
             "overwrite it: build it inside `with torch.device('meta'):`"
+        )
+    if allocated:
+        raise ExerciseFailed(
+            f"{what} gave {allocated[0]} memory before load_state_dict filled it from the checkpoint: that allocates a weight "
+            "the file then overwrites; load first (assign=True), then give memory (to_empty) only to the layers the checkpoint lacks"
         )
     expect_module(got, what=what)
     tensors = dict(itertools.chain(got.named_parameters(), got.named_buffers()))

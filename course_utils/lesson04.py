@@ -1,8 +1,13 @@
 """Lesson 04 (data: Dataset and DataLoader): reference solutions and the checks for its exercises."""
 
 import contextlib
+import csv
+import io
+import itertools
 import math
 import multiprocessing
+import pickle
+import re
 import tempfile
 import time
 import warnings
@@ -13,7 +18,8 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.nn.utils.rnn import pad_sequence
-from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset, WeightedRandomSampler, default_convert, random_split
+from torch.utils.data import (DataLoader, Dataset, IterableDataset, RandomSampler, Subset, WeightedRandomSampler, default_convert,
+                              get_worker_info, random_split)
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import find_classes
 from torchvision.transforms import v2
@@ -26,6 +32,7 @@ from course_utils.tooling.checks import (
     expect_equal,
     expect_shape,
     expect_tensor,
+    first_line,
     scoreboard_for,
     type_name,
 )
@@ -41,6 +48,13 @@ def read_item(root: Path, row) -> tuple[torch.Tensor, int]:
     with Image.open(root / row["filename"]) as file:
         image = to_tensor(file.convert("L"))
     return image, int(row["label"])
+
+
+def smoothed_targets(labels: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
+    """Class indices (B,) -> (B, num_classes) float32 label-smoothed one-hot rows, as CrossEntropyLoss(label_smoothing=...) uses."""
+    share = smoothing / num_classes  # every class's share of the smoothing, the true class's included
+    targets = torch.full((len(labels), num_classes), share)
+    return targets.scatter_(1, labels.unsqueeze(1), 1 - smoothing + share)
 
 
 def folder_dataset(root: Path) -> ImageFolder:
@@ -103,6 +117,39 @@ def parallel_loader(loader: DataLoader, workers: int) -> DataLoader:
         generator=loader.generator,  # each epoch's first draw seeds the workers, as it did in the loader
         pin_memory=loader.pin_memory,
     )
+
+
+# Section 8's streams. They live in a module, not in the notebook, because worker processes started by
+# forkserver or spawn import them by name.
+
+
+class CsvLabels(IterableDataset):
+    """The label column of a CSV file, read line by line: a stream, with no len() and no random access."""
+
+    def __init__(self, path: Path, start: int = 0, step: int = 1):
+        self.path, self.start, self.step = path, start, step  # this copy reads rows start, start + step, ...
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        with open(self.path, newline="") as file:
+            for row_number, row in itertools.islice(enumerate(csv.DictReader(file)), self.start, None, self.step):
+                yield row_number, int(row["label"])
+
+
+class ShardedCsvLabels(CsvLabels):
+    """CsvLabels that shares its rows out among the DataLoader's workers: worker k of n reads rows k, k + n, k + 2n, ..."""
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        worker = get_worker_info()  # None in the main process (num_workers=0)
+        if worker is None:
+            return super().__iter__()
+        mine = CsvLabels(self.path, self.start + worker.id * self.step, self.step * worker.num_workers)
+        return iter(mine)
+
+
+def share_rows(worker_id: int) -> None:
+    """A worker_init_fn: make this worker's copy of a CsvLabels read every num_workers-th row, from row worker_id."""
+    worker = get_worker_info()
+    worker.dataset.start, worker.dataset.step = worker_id, worker.num_workers
 
 
 # Checks, one per exercise, in notebook order.
@@ -179,6 +226,72 @@ def check_read_item(fn) -> None:
             expect_equal(label, expected_label, what=f"{what}'s label")
             if dict(row) != before:
                 raise ExerciseFailed(f"{what} changed the row it was given: read from it, do not write to it")
+
+
+# ---- smoothed_targets ---------------------------------------------------------------------------
+
+# (labels, num_classes, smoothing): no case has 10 classes or a batch as wide as its classes, and in the
+# last two the largest label stops below num_classes - 1, so a width guessed from the labels shows.
+_SMOOTHING_CASES = [
+    ([3, 11, 0, 3, 7], 12, 0.1),
+    ([1], 3, 0.3),
+    ([4, 0, 2, 2, 1, 4], 7, 0.0),
+]
+
+
+def _smoothing_variants(labels: torch.Tensor, num_classes: int, smoothing: float) -> list[tuple[torch.Tensor, str]]:
+    """The targets the typical wrong answers give on this case, each with its diagnosis."""
+    eps, c, rows = smoothing, num_classes, len(labels)
+    index = labels.unsqueeze(1)
+    variants = [
+        (torch.full((rows, c), eps / (c - 1)).scatter_(1, index, 1 - eps),
+         f"the smoothing is spread over the {c - 1} other classes; here, as in CrossEntropyLoss(label_smoothing=...), it is spread "
+         f"over all {c} classes, the true one included: smoothing / num_classes each, and 1 - smoothing + smoothing / num_classes on the true class"),
+        (torch.full((rows, c), eps / c).scatter_(1, index, 1 - eps),
+         "the true class gets 1 - smoothing, but its own share smoothing / num_classes is missing: each row must sum to 1"),
+        (torch.full((rows, c), eps / c).scatter_(1, index, 1.0),
+         "the true class gets 1, so each row sums to more than 1: it gets 1 - smoothing + smoothing / num_classes"),
+        (torch.zeros(rows, c).scatter_(1, index, 1.0), "these are plain one-hot rows: the smoothing is missing"),
+    ]
+    if rows <= c and int(labels.max()) < rows:
+        variants.append((torch.full((rows, c), eps / c).scatter_(0, index, 1 - eps + eps / c),
+                         "scatter_ along dim 0 wrote the values down the first column: scatter along dim 1, the classes"))
+    return [(v, m) for v, m in variants if not torch.allclose(v, smoothed_targets(labels, num_classes, smoothing))]
+
+
+@exercise("smoothed_targets")
+def check_smoothed_targets(fn) -> None:
+    hints = {"Index tensor must have the same number of dimensions": "scatter_'s index needs as many dims as the tensor it writes into: "
+             "labels of shape (B,) become an index of shape (B, 1) with labels.unsqueeze(1)",
+             "out of bounds for dimension 0": "along dim 0 an index picks a row, one per sample; the classes are dim 1",
+             "out of bounds for dimension 1": "a label reached past the last column: make the rows num_classes wide"}
+    for values, num_classes, smoothing in _SMOOTHING_CASES:
+        labels = torch.tensor(values)
+        given = labels.clone()
+        shown = f"labels {values}, num_classes={num_classes}, smoothing={smoothing}"
+        what = f"smoothed_targets({shown})"
+        got = call(fn, given, num_classes, smoothing, shown=shown, hints=hints)
+        if not torch.equal(given, labels) or given.shape != labels.shape:
+            raise ExerciseFailed(f"{what} changed the labels it was given: leave them as they are")
+        expected = smoothed_targets(labels, num_classes, smoothing)
+        rows = len(values)
+        if isinstance(got, torch.Tensor) and got.ndim == 2 and got.shape[0] == rows and got.shape[1] != num_classes:
+            width = got.shape[1]
+            if width == max(values) + 1:
+                raise ExerciseFailed(f"{what} has {width} columns, max(labels) + 1: the number of classes came from the labels, as F.one_hot "
+                                     f"does without num_classes; make num_classes ({num_classes}) columns")
+            if width == 10:
+                raise ExerciseFailed(f"{what} has 10 columns, the digits' number of classes: this case has num_classes = {num_classes}")
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype != torch.float32:
+            hint = " (F.one_hot, for one, gives int64: convert with .float())" if not got.is_floating_point() else ""
+            raise ExerciseFailed(f"{what} has dtype {got.dtype}, expected torch.float32: CrossEntropyLoss takes class probabilities as floats{hint}")
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and got.is_floating_point():
+            for variant, message in _smoothing_variants(labels, num_classes, smoothing):
+                if torch.allclose(got.double(), variant.double(), atol=1e-6):
+                    raise ExerciseFailed(f"{what}: {message}")
+        expect_tensor(got, expected, what=what)
+        if got.requires_grad:
+            raise ExerciseFailed(f"{what} requires grad: targets are data, built outside autograd")
 
 
 # ---- folder_dataset -----------------------------------------------------------------------------
@@ -265,6 +378,48 @@ def check_folder_dataset(fn) -> None:
             expect_equal(label, number, what=f"{where}'s label (folder '{folder}')")
         if len(seen) != len(expected):
             raise ExerciseFailed(f"{what}: {len(expected) - len(seen)} image files never appear among its items")
+        _expect_reaches_workers(dataset, what)
+
+
+class _DefinedInNotebook(Exception):
+    """A pickled object names something in __main__, which a worker started by forkserver or spawn does not have."""
+
+
+class _WorkerUnpickler(pickle.Unpickler):
+    """Unpickles as a DataLoader worker started by forkserver or spawn does: by module and name, without the notebook's own names."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in ("__main__", "__mp_main__"):
+            raise _DefinedInNotebook(name)
+        return super().find_class(module, name)
+
+
+def _worker_problem(part: Any) -> str | None:
+    """Why `part` would not reach a worker process started by forkserver or spawn, or None when it would."""
+    try:
+        data = pickle.dumps(part)
+    except Exception as err:  # noqa: BLE001 -- PicklingError, AttributeError or TypeError, by what is unpicklable
+        reason = re.sub(r" at 0x[0-9a-f]+", "", first_line(err))
+        why = ": a lambda has no name to look it up by" if "<lambda>" in reason else (
+            ": a function defined inside another has no name a worker can look up" if "local object" in reason else "")
+        return f"cannot be pickled ({type(err).__name__}: {reason}){why}"
+    try:
+        _WorkerUnpickler(io.BytesIO(data)).load()
+    except _DefinedInNotebook as err:
+        return (f"refers to {err}, defined in the notebook (__main__): pickle sends it by name, and a worker started by forkserver "
+                "or spawn has no such name, so it fails there with AttributeError")
+    return None
+
+
+def _expect_reaches_workers(dataset: ImageFolder, what: str) -> None:
+    """The dataset must survive the trip to a worker process as this notebook starts them (forkserver), part by part."""
+    parts = [("its class", type(dataset)), ("its transform", dataset.transform), ("its target_transform", dataset.target_transform),
+             ("its loader", getattr(dataset, "loader", None)), ("the dataset", dataset)]
+    for name, part in parts:
+        problem = _worker_problem(part)
+        if problem:
+            raise ExerciseFailed(f"{what}: {name} {problem}; DataLoader workers could not load this dataset: use a function or class "
+                                 "from a module, or a method of a built-in object (a list's or dict's own methods pickle)")
 
 
 # ---- split_train_val ----------------------------------------------------------------------------
@@ -492,11 +647,18 @@ def check_pad_collate(fn) -> None:
 # ---- balanced_loader ----------------------------------------------------------------------------
 
 
-def _imbalanced_labels() -> torch.Tensor:
-    """61 labels in 12 classes (3 and 6 absent), from 24 samples of class 0 down to a class with 1; classes 4 and 5 tie."""
-    counts = {0: 24, 1: 9, 2: 2, 4: 4, 5: 4, 7: 6, 8: 3, 9: 2, 10: 6, 11: 1}
+def _imbalanced_labels(counts: dict[int, int], seed: int) -> torch.Tensor:
+    """counts[c] samples of each class c, shuffled."""
     labels = torch.cat([torch.full((k,), c) for c, k in counts.items()])
-    return labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(5))]
+    return labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))]
+
+
+# (samples per class, batch_size, seed): classes with gaps (3 and 6 absent in the first), from 24 samples down to 1, a tie
+# (classes 4 and 5); the second case changes every parameter, so that no value can be hard-coded.
+_BALANCED_CASES = [
+    ({0: 24, 1: 9, 2: 2, 4: 4, 5: 4, 7: 6, 8: 3, 9: 2, 10: 6, 11: 1}, 8, 3),
+    ({13: 2, 1: 11, 6: 1, 4: 5}, 5, 0),
+]
 
 
 def _drawn(loader: DataLoader, what: str) -> list[int]:
@@ -516,11 +678,14 @@ def _drawn(loader: DataLoader, what: str) -> list[int]:
 
 @exercise("balanced_loader")
 def check_balanced_loader(fn) -> None:
-    labels = _imbalanced_labels()
+    for counts, batch_size, seed in _BALANCED_CASES:
+        _check_balanced(fn, _imbalanced_labels(counts, seed=5), batch_size, seed)
+
+
+def _check_balanced(fn, labels: torch.Tensor, batch_size: int, seed: int) -> None:
     n = len(labels)
     dataset = [(i, int(y)) for i, y in enumerate(labels)]
-    batch_size, seed = 8, 3
-    what = f"balanced_loader(dataset of {n} in 10 classes, labels, batch_size={batch_size}, seed={seed})"
+    what = f"balanced_loader(dataset of {n} in {len(labels.unique())} classes, labels, batch_size={batch_size}, seed={seed})"
     shown = f"dataset of {n}, labels, batch_size={batch_size}, seed={seed}"
     given = labels.clone()
     state = torch.random.get_rng_state()
@@ -608,15 +773,17 @@ class _Sleepy(Dataset):
 
 
 class _SleepyStep:
-    """A training step that takes `delay` seconds; records the batches it was given and the time it took."""
+    """A training step that takes `delay` seconds; records the batches it was given, the items the loader had read by then, and its time."""
 
-    def __init__(self, delay: float):
-        self.delay = delay
+    def __init__(self, delay: float, dataset: _Sleepy):
+        self.delay, self.dataset = delay, dataset
         self.batches: list[list[int]] = []
+        self.reads_before: list[int] = []  # dataset.reads when each call began
         self.seconds = 0.0
 
     def __call__(self, batch: Any) -> None:
         start = time.perf_counter()
+        self.reads_before.append(self.dataset.reads)
         self.batches.append(batch.tolist() if isinstance(batch, torch.Tensor) else batch)
         time.sleep(self.delay)
         self.seconds += time.perf_counter() - start
@@ -635,7 +802,8 @@ def _at_most(got: float, limit: float) -> bool:
 def check_time_epoch(fn) -> None:
     # A slow loader with a quick step, then a quick loader with a slow step: each fault shows in one of them.
     for n, item_delay, step_delay in ((7, 0.015, 0.002), (5, 0.0, 0.04)):
-        dataset, step = _Sleepy(n, item_delay), _SleepyStep(step_delay)
+        dataset = _Sleepy(n, item_delay)
+        step = _SleepyStep(step_delay, dataset)
         loader = DataLoader(dataset, batch_size=2)
         n_batches = math.ceil(n / 2)
         what = f"time_epoch(loader of {n_batches} batches, step)"
@@ -649,6 +817,14 @@ def check_time_epoch(fn) -> None:
             if len(step.batches) != len(expected_batches):
                 raise ExerciseFailed(f"{what} called step {len(step.batches)} times, expected {len(expected_batches)}: once per batch, the last, smaller one too")
             raise ExerciseFailed(f"{what} called step with {step.batches}, expected the loader's batches {expected_batches}, in order")
+        # Without workers, the loader reads a batch's items when it is asked for that batch: by step i, batches 0 to i only.
+        ahead = next((i for i, reads in enumerate(step.reads_before) if reads > min(2 * (i + 1), n)), None)
+        if ahead is not None:
+            raise ExerciseFailed(
+                f"{what}: when step(batch {ahead}) began, the loader had already read {step.reads_before[ahead]} of {n} items, later batches' "
+                "too: collecting the batches first (list(loader)) times a loop that never trains while it waits; take one batch, step on it, "
+                "then take the next"
+            )
         for value, name in zip(got, ("load_seconds", "step_seconds")):
             if isinstance(value, torch.Tensor):
                 raise ExerciseFailed(f"{what}: {name} is a tensor, expected a Python float")

@@ -58,20 +58,24 @@ def accumulation_step(model: nn.Module, micro_batches: list[tuple[torch.Tensor, 
     return norm.item()
 
 
-def evaluate_model(model: nn.Module, loader: DataLoader, loss_fn: Callable) -> dict[str, float]:
-    """{"loss": mean loss per sample, "accuracy": fraction correct} over loader, in eval mode without a graph; modes restored."""
+def overfit_one_batch(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, steps: int, lr: float) -> list[float]:
+    """Train on one batch for `steps` Adam steps with dropout off and every other module in train mode; each step's loss; modes restored."""
     modes = {module: module.training for module in model.modules()}
-    model.eval()
-    loss_sum, correct, count = 0.0, 0, 0
-    with torch.no_grad():
-        for inputs, targets in loader:
-            logits = model(inputs)
-            loss_sum += loss_fn(logits, targets).item() * len(targets)
-            correct += (logits.argmax(dim=1) == targets).sum().item()
-            count += len(targets)
+    model.train()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.eval()  # nothing random: the same batch must give the same forward pass every time
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
     for module, training in modes.items():
         module.training = training  # each module its own mode back: model.train(flag) would set them all alike
-    return {"loss": loss_sum / count, "accuracy": correct / count}
+    return losses
 
 
 def train_resumable(model: nn.Module, loader: DataLoader, loss_fn: Callable, optimizer: torch.optim.Optimizer,
@@ -493,6 +497,33 @@ def _parallel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return x.shape == y.shape and bool(F.cosine_similarity(x, y, dim=0) > 1 - 1e-6)
 
 
+def _record_pass(passes: list[tuple[str, int]], module: nn.Module, args: tuple, output) -> None:
+    """A forward hook: note the pass and its batch size, and note again when backward() reaches its output."""
+    samples = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) and args[0].ndim else -1
+    passes.append(("forward", samples))
+    if isinstance(output, torch.Tensor) and output.requires_grad:
+        output.register_hook(lambda grad: passes.append(("backward", samples)))
+
+
+def _expect_one_pass_per_micro_batch(passes: list[tuple[str, int]], sizes: list[int], what: str) -> None:
+    """The point of accumulation: the model never sees more than one micro-batch at a time, and frees each graph before the next."""
+    forwards = [samples for kind, samples in passes if kind == "forward"]
+    total = sum(sizes)
+    if total in forwards and len(sizes) > 1:
+        raise ExerciseFailed(f"{what} ran the model on all {total} samples at once: accumulation exists because that whole batch does not "
+                             "fit in memory; run one forward and one backward per micro-batch")
+    if sorted(forwards) != sorted(sizes):
+        raise ExerciseFailed(f"{what}: the model's forward passes got batches of {forwards} samples, expected one pass per micro-batch, "
+                             f"of {sizes}")
+    for i, ((kind, _), (next_kind, _)) in enumerate(zip(passes, passes[1:])):
+        if kind == next_kind == "forward":
+            k = sum(1 for p in passes[:i + 1] if p[0] == "forward")
+            raise ExerciseFailed(
+                f"{what}: the forward pass of micro-batch {k + 1} ran before the backward() of micro-batch {k}: each graph holds its "
+                "micro-batch's activations until its backward(), so adding up the losses and calling backward() once holds the whole "
+                "batch's activations, as one big batch would; call backward() on each micro-batch's loss before the next forward pass")
+
+
 @exercise("accumulation_step")
 @_one_thread
 def check_accumulation_step(fn) -> None:
@@ -538,15 +569,19 @@ def check_accumulation_step(fn) -> None:
             if p.requires_grad:
                 p.grad = torch.full_like(p, STALE)  # gradients left over from an earlier step
         at_step: list[dict] = []
-        handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: at_step.append(_param_grads(model)))
+        passes: list[tuple[str, int]] = []  # ("forward", samples) per forward pass, ("backward", samples) when backward reaches its output
+        handles = [optimizer.register_step_pre_hook(lambda opt, args, kwargs: at_step.append(_param_grads(model))),
+                   model.register_forward_hook(functools.partial(_record_pass, passes))]
         given = [(x.clone(), y.clone()) for x, y in micro_batches]
         try:
             got = call(fn, model, given, F.cross_entropy, optimizer, max_norm, shown=f"model, {k} micro-batches of {', '.join(map(str, sizes))}, F.cross_entropy, optimizer, {max_norm:g}")
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
         for (x, y), (gx, gy) in zip(micro_batches, given):
             expect_unchanged(x, gx, what="accumulation_step (its micro-batches)")
             expect_unchanged(y, gy, what="accumulation_step (its micro-batches)")
+        _expect_one_pass_per_micro_batch(passes, sizes, what)
         if not at_step:
             raise ExerciseFailed(f"{what}: optimizer.step() was never called: the step is part of the exercise")
         if len(at_step) > 1:
@@ -582,145 +617,143 @@ def check_accumulation_step(fn) -> None:
             expect_tensor(model.state_dict()[name], reference.state_dict()[name], what=f"{what}: {name!r} after the step", atol=1e-5, rtol=1e-4)
 
 
-# Exercise 5: evaluate_model
+# Exercise 5: overfit_one_batch
 
-class _Scorer(nn.Module):
-    """A classifier with batch norm, dropout and 12 classes, whose classes 3 and 9 always tie."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.5))
-        self.head = nn.Linear(16, 12)
-        with torch.no_grad():
-            self.head.weight[9] = self.head.weight[3]
-            self.head.bias[9] = self.head.bias[3]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-
-def _scoring_problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(41)
-    model = _Scorer()
-    with torch.no_grad():
-        for _ in range(3):  # running statistics away from their initial values, so eval mode computes something else
-            model(torch.randn(16, 5) * 2 + 0.5)
-    g = torch.Generator().manual_seed(42)
-    inputs = torch.randn(11, 5, generator=g)
-    model.eval()
-    with torch.no_grad():
-        predicted = model(inputs).argmax(dim=1)
-    targets = (predicted + 1 + torch.randint(0, 11, (11,), generator=g)) % 12   # every prediction wrong ...
-    right = torch.tensor([0, 2, 5, 9, 10])
-    targets[right] = predicted[right]                                              # ... but these: 2, 1 and 2 per batch of 4, 4, 3
-    tied = (predicted == 3).nonzero().flatten()
-    targets[tied[-2:]] = 9               # a tie at the top: argmax picks 3, so these are wrong
-    return model, inputs, targets
-
-
-EVALUATE_CASES = [  # (modes, batch_size): "train", "eval", or train with the batch-norm layer frozen in eval
-    ("train", 4),        # batches of 4, 4 and 3
-    ("eval", 5),         # batches of 5, 5 and 1
-    ("frozen norm", 4),
-]
-
-
-def _set_mode(model: nn.Module, mode: str) -> None:
-    model.train(mode != "eval")
-    if mode == "frozen norm":
-        model.body[1].eval()
-
-
-def _evaluate_variants(model: nn.Module, loader: DataLoader) -> tuple[list, list]:
-    """Loss and accuracy values of the typical wrong answers, each with its diagnosis."""
-    batches = []
-    with torch.no_grad():
-        for x, y in loader:
-            batches.append((model(x), y))
-    count = sum(len(y) for _, y in batches)
-    padded = len(loader) * loader.batch_size
-    loss_sum = sum(F.cross_entropy(o, y).item() * len(y) for o, y in batches)
-    correct = sum((o.argmax(1) == y).sum().item() for o, y in batches)
-    tie_correct = sum((o.gather(1, y[:, None]).squeeze(1) == o.max(1).values).sum().item() for o, y in batches)
-    sizes = ", ".join(str(len(y)) for _, y in batches)
-    loss = [
-        (sum(F.cross_entropy(o, y).item() for o, y in batches) / len(batches),
-         f"the loss is the mean of the batch means, but the batches hold {sizes} samples: weight each batch's loss by its size"),
-        (loss_sum / padded, f"the loss was divided by len(loader) x batch_size = {padded}, but the last batch is smaller: there are {count} samples"),
-        (loss_sum, "the loss is a sum over the samples: divide by their number"),
+def _overfit_cases() -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor, Callable, str, int, float]]:
+    """(model, its mode, inputs, targets, loss_fn, description, steps, lr): a classifier with batch norm and dropout in train mode,
+    then a regression model with dropout in eval mode, as a caller in the middle of an evaluation has it."""
+    g = torch.Generator().manual_seed(71)
+    torch.manual_seed(72)
+    classifier = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 5))
+    regressor = nn.Sequential(nn.Linear(4, 12), nn.Tanh(), nn.Dropout(0.5), nn.Linear(12, 2))
+    return [
+        (classifier, "train", torch.randn(6, 6, generator=g), torch.randint(0, 5, (6,), generator=g), F.cross_entropy,
+         "an MLP with batch norm and dropout (train mode), a batch of 6, F.cross_entropy", 20, 0.03),
+        (regressor, "eval", torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g), F.mse_loss,
+         "a regression MLP with dropout (eval mode), a batch of 3, F.mse_loss", 12, 0.05),
     ]
-    accuracy = [
-        (sum((o.argmax(1) == y).float().mean().item() for o, y in batches) / len(batches),
-         f"the accuracy is the mean of the per-batch accuracies, but the batches hold {sizes} samples: count correct predictions over all samples"),
-        (correct / padded, f"the accuracy was divided by len(loader) x batch_size = {padded}, but the last batch is smaller: there are {count} samples"),
-        (tie_correct / count, "a sample counted as right whenever its target's logit equals the largest one; on a tie the "
-                              "prediction is the first of the tied classes (what argmax returns)"),
-        (100 * correct / count, "the accuracy is a percentage: return a fraction between 0 and 1"),
+
+
+def _overfit_run(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, steps: int,
+                 make_optimizer: Callable, zero_grad: bool = True) -> list[float]:
+    """A typical wrong answer's losses: another optimizer, or no zero_grad(). Dropout off, as the reference has it."""
+    model.train()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.eval()
+    optimizer = make_optimizer(model.parameters())
+    losses = []
+    for _ in range(steps):
+        if zero_grad:
+            optimizer.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _overfit_variants(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, steps: int,
+                      lr: float) -> list[tuple[list[float], str]]:
+    """The losses of the typical wrong answers on this case, each with its diagnosis."""
+    runs = [
+        (lambda p: torch.optim.SGD(p, lr=lr), True, "these are the losses of torch.optim.SGD: the prompt asks for torch.optim.Adam"),
+        (lambda p: torch.optim.AdamW(p, lr=lr), True,
+         "these are the losses of torch.optim.AdamW, which decays the weights by default (weight_decay=0.01): use torch.optim.Adam, "
+         "whose default is no decay"),
+        (lambda p: torch.optim.Adam(p), True, "these are the losses of Adam at its default lr, 1e-3: pass lr"),
+        (lambda p: torch.optim.Adam(p, lr=lr), False, "the gradients piled up from step to step: call optimizer.zero_grad() before each backward()"),
     ]
-    return loss, accuracy
+    return [(_overfit_run(copy.deepcopy(model), inputs, targets, loss_fn, steps, make, zero_grad), message) for make, zero_grad, message in runs]
+
+
+def _modes(model: nn.Module) -> dict[str, bool]:
+    return {name: module.training for name, module in model.named_modules()}
 
 
 def _mode_message(before: dict[str, bool], after: dict[str, bool], modules: dict[str, nn.Module]) -> str | None:
+    """What differs between the modes a caller gave the model and those it got back, in one line, or None."""
     if after == before:
         return None
-    if not any(after.values()):
+    if not any(after.values()) and any(before.values()):
         return "the model was left in eval mode: put every module back in the mode it had before the call"
     if all(after.values()) and not any(before.values()):
         return "the model was left in train mode, but the caller had it in eval mode: restore the mode it had, do not assume train"
     name = next(n for n in before if before[n] != after[n])
     label = f"{name!r} ({type(modules[name]).__name__})" if name else "the model itself"
     was, now = ("train", "eval") if before[name] else ("eval", "train")
-    if all(after.values()):
-        return (f"{label} was in eval mode before the call (the caller froze it) and is in train mode after: "
-                "restore each module's own mode, since model.train(flag) sets every submodule alike")
     return f"{label} was in {was} mode before the call and is in {now} mode after: leave every module in the mode it had"
 
 
-@exercise("evaluate_model")
+@exercise("overfit_one_batch")
 @_one_thread
-def check_evaluate_model(fn) -> None:
-    model, inputs, targets = _scoring_problem()
-    modules = dict(model.named_modules())
-    for mode, batch_size in EVALUATE_CASES:
-        loader = DataLoader(TensorDataset(inputs, targets), batch_size=batch_size)
-        sizes = ", ".join(str(len(y)) for _, y in loader)
-        what = f"evaluate_model(model in {mode} mode, loader of batches {sizes}, F.cross_entropy)"
-        _set_mode(model, mode)
-        before_modes = {name: m.training for name, m in modules.items()}
-        before = _state(model)
-        reference_model = copy.deepcopy(model)
-        expected = evaluate_model(reference_model, loader, F.cross_entropy)
-        seen: list[tuple[str, bool]] = []
-        handles = [m.register_forward_hook(lambda m, i, o: seen.append(("dropout active", m.training)))
-                   for m in model.modules() if isinstance(m, (nn.Dropout, nn.BatchNorm1d)) and m.training]
-        handles.append(model.register_forward_hook(lambda m, i, o: seen.append(("output requires grad", isinstance(o, torch.Tensor) and o.requires_grad))))
+def check_overfit_one_batch(fn) -> None:
+    for model, mode, inputs, targets, loss_fn, described, steps, lr in _overfit_cases():
+        model.train(mode == "train")
+        shown = f"{described}, steps={steps}, lr={lr:g}"
+        what = f"overfit_one_batch({shown})"
+        initial, reference = copy.deepcopy(model), copy.deepcopy(model)
+        expected = overfit_one_batch(reference, inputs, targets, loss_fn, steps, lr)
+        modules = dict(model.named_modules())
+        modes_before, rates = _modes(model), {name: m.p for name, m in modules.items() if isinstance(m, nn.Dropout)}
+        given = (inputs.clone(), targets.clone())
+        forwards: list[bool] = []  # for each forward pass of the model: was its input the batch?
+        dropout_active: list[bool] = []
+        norm_in_eval: list[bool] = []
+        handles = [model.register_forward_pre_hook(lambda m, args: forwards.append(bool(args) and isinstance(args[0], torch.Tensor)
+                                                                                   and args[0].shape == inputs.shape and torch.equal(args[0], inputs)))]
+        for m in model.modules():
+            if isinstance(m, nn.Dropout):
+                handles.append(m.register_forward_hook(lambda m, args, out: dropout_active.append(not torch.equal(args[0], out))))
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                handles.append(m.register_forward_pre_hook(lambda m, args: norm_in_eval.append(not m.training)))
         try:
-            got = call(fn, model, loader, F.cross_entropy, shown=f"model, loader of batches {sizes}, F.cross_entropy")
+            got = call(fn, model, given[0], given[1], loss_fn, steps, lr, shown=shown)
         finally:
             for handle in handles:
                 handle.remove()
-        if ("dropout active", True) in seen:
-            raise ExerciseFailed(f"{what}: the model ran in train mode (dropout active, batch norm using batch statistics): call model.eval() before the loop")
-        if ("output requires grad", True) in seen:
-            raise ExerciseFailed(f"{what}: the outputs required grad, so autograd recorded a graph: run the loop under torch.no_grad()")
-        name = _changed(before, _state(model))
-        if name:
-            raise ExerciseFailed(f"{what} changed the model's {name!r}: evaluating must change no parameter or buffer")
-        message = _mode_message(before_modes, {n: m.training for n, m in modules.items()}, modules)
+        expect_unchanged(inputs, given[0], what="overfit_one_batch (its inputs)")
+        expect_unchanged(targets, given[1], what="overfit_one_batch (its targets)")
+        if isinstance(got, torch.Tensor):
+            raise ExerciseFailed(f"{what} returned a tensor, expected a list of {steps} Python floats, one per step")
+        losses = _expect_losses(got, what, "step")
+        if len(forwards) != steps:
+            per = f" ({len(forwards) / steps:g} per step)" if len(forwards) % steps == 0 and forwards else ""
+            raise ExerciseFailed(f"{what} ran the model {len(forwards)} times{per}, expected {steps}: one forward pass per step, "
+                                 "whose loss is the step's loss")
+        if not all(forwards):
+            k = forwards.index(False)
+            raise ExerciseFailed(f"{what}: the forward pass of step {k + 1} did not get the batch it was given: every step trains on "
+                                 "that one batch, whole and unchanged")
+        if any(dropout_active):
+            k = dropout_active.index(True)
+            raise ExerciseFailed(f"{what}: dropout was active in the forward pass of step {k // len(rates) + 1}, so each step saw another "
+                                 "random network: put every nn.Dropout in eval mode for the run")
+        if any(norm_in_eval):
+            raise ExerciseFailed(f"{what}: batch norm ran in eval mode, normalising with its running statistics instead of the batch's: "
+                                 "model.eval() switches batch norm too; switch only the dropout layers to eval")
+        if len(losses) != steps:
+            raise ExerciseFailed(f"{what} returned {len(losses)} losses, expected {steps}, one per step")
+        if not all(_close(a, b, 1e-4) for a, b in zip(losses, expected)):
+            if len(set(losses)) == 1 and steps > 1:
+                raise ExerciseFailed(f"{what}: the loss is {losses[0]:.6g} at every step, so the weights never changed: "
+                                     "optimizer.step() must come after backward(), with the gradients still in place")
+            k = next(i for i, (a, b) in enumerate(zip(losses, expected)) if not _close(a, b, 1e-4))
+            for variant, message in _overfit_variants(initial, inputs, targets, loss_fn, steps, lr):
+                if all(_close(a, b, 1e-4) for a, b in zip(losses, variant)):
+                    raise ExerciseFailed(f"{what}: {message}")
+            raise ExerciseFailed(f"{what}: the loss of step {k + 1} is {losses[k]:.6g}, expected {expected[k]:.6g} "
+                                 "(one Adam step with lr per forward pass, on the loss of that forward pass)")
+        for name, value in reference.state_dict().items():
+            if not torch.allclose(model.state_dict()[name].double(), value.double(), atol=1e-5, rtol=1e-4):
+                raise ExerciseFailed(f"{what}: the losses are right, but the model's {name!r} at the end is not what {steps} steps give")
+        message = _mode_message(modes_before, _modes(model), modules)
         if message:
             raise ExerciseFailed(f"{what}: {message}")
-        if not isinstance(got, dict):
-            raise ExerciseFailed(f"{what} returned {'None' if got is None else a_type(got)}, expected a dict with keys 'loss' and 'accuracy'")
-        if set(got) != {"loss", "accuracy"}:
-            raise ExerciseFailed(f"{what} returned a dict with keys {sorted(map(str, got))}, expected ['accuracy', 'loss']")
-        loss = _expect_float(got["loss"], f"the 'loss' entry of {what}")
-        acc = _expect_float(got["accuracy"], f"the 'accuracy' entry of {what}")
-        model.eval()
-        loss_variants, accuracy_variants = _evaluate_variants(model, loader)
-        _diagnose(loss, expected["loss"], [(v, f"{what}: {m}") for v, m in loss_variants],
-                  f"{what}: the 'loss' entry is {loss:.6g}, expected {expected['loss']:.6g} (the mean loss per sample)")
-        _diagnose(acc, expected["accuracy"], [(v, f"{what}: {m}") for v, m in accuracy_variants],
-                  f"{what}: the 'accuracy' entry is {acc:.6g}, expected {expected['accuracy']:.6g}")
+        changed = next((name for name, rate in rates.items() if modules[name].p != rate), None)
+        if changed:
+            raise ExerciseFailed(f"{what} left {changed!r} with p={modules[changed].p}, it had p={rates[changed]}: switch dropout off "
+                                 "with eval mode, or put its p back afterwards")
 
 
 # Exercise 6: train_resumable
@@ -746,6 +779,7 @@ class _CrashingLoader(DataLoader):
 
 
 RESUME_EPOCHS, RESUME_BATCH = 4, 5
+RESUMED_EPOCHS = 5  # the resumed call asks for more epochs in all than the crashed one did, as a run extended after a stop does
 RESUME_SAMPLES = 23  # batches of 5, 5, 5, 5 and 3
 RESUME_BATCHES = -(-RESUME_SAMPLES // RESUME_BATCH)
 
@@ -801,13 +835,13 @@ def _spy_on_torch_load(calls: list) -> Iterator[None]:
         torch.load = original
 
 
-def _expect_losses(got, what: str) -> list[float]:
+def _expect_losses(got, what: str, per: str = "epoch") -> list[float]:
     if got is None:
-        raise ExerciseFailed(f"{what} returned None: return the list of every epoch's training loss")
+        raise ExerciseFailed(f"{what} returned None: return the list of every {per}'s loss")
     if not isinstance(got, (list, tuple)):
-        raise ExerciseFailed(f"{what} returned {a_type(got)}, expected a list of floats, one per epoch")
+        raise ExerciseFailed(f"{what} returned {a_type(got)}, expected a list of floats, one per {per}")
     if any(isinstance(v, torch.Tensor) for v in got):
-        raise ExerciseFailed(f"{what} returned tensors in its list: return Python floats (train_one_epoch gives them)")
+        raise ExerciseFailed(f"{what} returned tensors in its list: return Python floats (.item() gives one)")
     if not all(isinstance(v, (float, int)) and not isinstance(v, bool) for v in got):
         raise ExerciseFailed(f"{what} returned a list holding {a_type(next(v for v in got if not isinstance(v, (float, int))))}, expected floats")
     return [float(v) for v in got]
@@ -839,11 +873,13 @@ def check_train_resumable(fn) -> None:
     model, loader, optimizer, scheduler, _ = _resume_run(seed)  # the run as it goes when nothing interrupts it
     snap = _Snapshot(model, optimizer, scheduler, at=(crash_epoch - 1) * RESUME_BATCHES)
     expected_losses = []
-    for _ in range(RESUME_EPOCHS):
+    for epoch in range(1, RESUMED_EPOCHS + 1):
         expected_losses.append(train_one_epoch(model, loader, F.cross_entropy, optimizer))
         scheduler.step()
+        if epoch == RESUME_EPOCHS:
+            expected_weights, expected_lr = _state(model), optimizer.param_groups[0]["lr"]
     snap.handle.remove()
-    resumed_at, expected_weights, expected_lr = snap.state, _state(model), optimizer.param_groups[0]["lr"]
+    resumed_at, final_weights = snap.state, _state(model)
 
     loads: list = []
     with tempfile.TemporaryDirectory() as folder, _spy_on_torch_load(loads):
@@ -857,7 +893,7 @@ def check_train_resumable(fn) -> None:
         if not _close(optimizer.param_groups[0]["lr"], expected_lr, 1e-9):
             raise ExerciseFailed(f"{what}: the learning rate at the end is {optimizer.param_groups[0]['lr']:.6g}, expected {expected_lr:.6g}: "
                                  "step the scheduler once per epoch")
-        for epoch, (a, b) in enumerate(zip(losses, expected_losses), start=1):
+        for epoch, (a, b) in enumerate(zip(losses, expected_losses[:RESUME_EPOCHS]), start=1):
             if not _close(a, b, 1e-6):
                 raise ExerciseFailed(f"{what}: epoch {epoch}'s loss is {a:.6g}, expected {b:.6g}, as plain training gives "
                                      "(one train_one_epoch and one scheduler.step() per epoch)")
@@ -878,19 +914,23 @@ def check_train_resumable(fn) -> None:
                                  "as if nothing happened: let exceptions through")
         _load_checkpoint_file(path, f"after {crash_epoch - 1} finished epochs and a crash in epoch {crash_epoch}")
 
-        # 3. Resumed with objects built from another seed: other weights, RNG and shuffle generator.
+        # 3. Resumed with objects built from another seed (other weights, RNG and shuffle generator), now for more epochs in all.
         model, loader, optimizer, scheduler, shuffle = _resume_run(seed + 100)
         snap = _Snapshot(model, optimizer, scheduler, at=0)
-        what = f"train_resumable resumed after a crash in epoch {crash_epoch} of {RESUME_EPOCHS}"
+        what = f"train_resumable(..., epochs={RESUMED_EPOCHS}) resumed after a crash in epoch {crash_epoch}"
         try:
-            got = call(fn, model, loader, F.cross_entropy, optimizer, scheduler, shuffle, RESUME_EPOCHS, path, shown=RESUME_SHOWN)
+            got = call(fn, model, loader, F.cross_entropy, optimizer, scheduler, shuffle, RESUMED_EPOCHS, path,
+                       shown=RESUME_SHOWN.replace(f", {RESUME_EPOCHS}, path", f", {RESUMED_EPOCHS}, path"))
         finally:
             snap.handle.remove()
-    left = (RESUME_EPOCHS - crash_epoch + 1) * RESUME_BATCHES
+    left = (RESUMED_EPOCHS - crash_epoch + 1) * RESUME_BATCHES
     if snap.calls != left:
         done = f"{snap.calls / RESUME_BATCHES:g} epochs" if snap.calls % RESUME_BATCHES == 0 else "not a whole number of epochs"
-        raise ExerciseFailed(f"{what}: it trained {snap.calls} batches ({done}), expected {left}: epochs {crash_epoch} to {RESUME_EPOCHS}, "
-                             "starting after the last epoch the checkpoint holds")
+        hint = ""
+        if snap.calls == (RESUME_EPOCHS - crash_epoch + 1) * RESUME_BATCHES:
+            hint = f" (it stopped after epoch {RESUME_EPOCHS}, where the crashed call was to stop: go by this call's epochs)"
+        raise ExerciseFailed(f"{what}: it trained {snap.calls} batches ({done}), expected {left}: epochs {crash_epoch} to {RESUMED_EPOCHS}, "
+                             f"starting after the last epoch the checkpoint holds{hint}")
     state = snap.state
     if _changed(resumed_at["weights"], state["weights"]):
         raise ExerciseFailed(f"{what}: when training resumed, the weights were not those the uninterrupted run had after epoch {crash_epoch - 1}: "
@@ -911,15 +951,15 @@ def check_train_resumable(fn) -> None:
         raise ExerciseFailed(f"{what}: when training resumed, torch's global random state, which dropout draws from, was not where the uninterrupted run had it: "
                              "save torch.get_rng_state() and restore it with torch.set_rng_state()")
     losses = _expect_losses(got, what)
-    if len(losses) == RESUME_EPOCHS - crash_epoch + 1:
-        raise ExerciseFailed(f"{what} returned only the losses of the epochs after resuming: the curve must hold all {RESUME_EPOCHS} "
+    if len(losses) == RESUMED_EPOCHS - crash_epoch + 1:
+        raise ExerciseFailed(f"{what} returned only the losses of the epochs after resuming: the curve must hold all {RESUMED_EPOCHS} "
                              "epochs, so keep the losses so far in the checkpoint")
-    if len(losses) != RESUME_EPOCHS:
-        raise ExerciseFailed(f"{what} returned {len(losses)} losses, expected {RESUME_EPOCHS}, one per epoch")
+    if len(losses) != RESUMED_EPOCHS:
+        raise ExerciseFailed(f"{what} returned {len(losses)} losses, expected {RESUMED_EPOCHS}, one per epoch")
     for epoch, (a, b) in enumerate(zip(losses, expected_losses), start=1):
         if not _close(a, b, 1e-6):
             raise ExerciseFailed(f"{what}: epoch {epoch}'s loss is {a:.6g}, expected {b:.6g}, the uninterrupted run's")
-    name = _changed(expected_weights, _state(model))
+    name = _changed(final_weights, _state(model))
     if name:
         raise ExerciseFailed(f"{what}: {name!r} at the end is not the uninterrupted run's (torch.equal)")
     if False in loads:

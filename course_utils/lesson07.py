@@ -49,6 +49,16 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1 + torch.tanh(0.7978845608 * (x + 0.044715 * x**3)))
 
 
+def verdict(eager: Any, compiled: Any) -> str:
+    """The measured speed-up of compiled over eager (two course_utils.benchmarking Timings), in words."""
+    ratio = eager.median / compiled.median
+    if ratio >= 1.1:
+        return f"compiled is {ratio:.1f}x faster than eager here"
+    if ratio <= 0.9:
+        return f"compiled is {1 / ratio:.1f}x slower than eager here"
+    return f"no clear difference here ({ratio:.2f}x)"
+
+
 def break_even_calls(first_call_s: float, eager_s: float, compiled_s: float) -> float | None:
     """After how many calls compiled code (its first call, then compiled_s each) has cost no more than eager; None if never."""
     if compiled_s >= eager_s:
@@ -123,11 +133,21 @@ def bucketed_predict(model: nn.Module, batch: torch.Tensor, buckets: tuple[int, 
     return torch.cat(outputs)
 
 
-def compile_blocks(model: nn.Module) -> nn.Module:
-    """Compile each block of model.blocks in place (regional compilation); the rest of the model stays eager."""
-    for block in model.blocks:
-        block.compile()  # in place: the state_dict keys stay as they were
-    return model
+def is_stack(module: nn.Module) -> bool:
+    """A stack of repeated blocks: an nn.ModuleList or nn.Sequential of two or more modules of one class."""
+    blocks = list(module.children())
+    return isinstance(module, (nn.ModuleList, nn.Sequential)) and len(blocks) >= 2 and len({type(b) for b in blocks}) == 1
+
+
+def compile_repeated_blocks(model: nn.Module) -> list[str]:
+    """Compile in place each block of every stack of repeated blocks in model (regional compilation); return the stacks' names."""
+    stacks = []
+    for name, module in model.named_modules():
+        if is_stack(module):
+            for block in module.children():
+                block.compile()  # in place: same objects, same state_dict keys; one graph per block class, reused
+            stacks.append(name)
+    return stacks
 
 
 # Plumbing shared by the checks.
@@ -196,6 +216,7 @@ class _CompileSpy:
 
     def __init__(self, model: nn.Module | None = None):
         self.calls: list[tuple[Any, dict]] = []  # (what was compiled, the keyword arguments) per torch.compile call
+        self.compiled: list[Any] = []  # what each of those calls returned
         self.graphs: list[_Graph] = []
         self.runs = 0  # calls of compiled graphs
         self.model = model  # whose training flag each graph records
@@ -227,7 +248,9 @@ class _CompileSpy:
         quick = {k: v for k, v in kwargs.items() if k not in ("model", "backend", "mode", "options")}
         if isinstance(options, dict) and "guard_filter_fn" in options:
             quick["options"] = {"guard_filter_fn": options["guard_filter_fn"]}  # a Dynamo option, not Inductor's
-        return self.real(target, backend=self.backend, **quick)
+        compiled = self.real(target, backend=self.backend, **quick)
+        self.compiled.append(compiled)
+        return compiled
 
     @contextlib.contextmanager
     def watching(self) -> Iterator["_CompileSpy"]:
@@ -350,9 +373,11 @@ def _serve_once(fn: Callable, mode: str, batch: int, seed: int) -> None:
             raise ExerciseFailed("the model is still in train mode: switch it to eval mode, so that dropout is off and batch norm uses its running statistics")
         if n_graphs == 0:
             raise ExerciseFailed("nothing was compiled yet: torch.compile is lazy and compiles on the first call; warm the compiled model up on `example`")
+        runs_before = spy.runs
         with torch.no_grad():  # how the server calls it: same shape, new values, gradients off
             got = call(compiled, later.clone(), name="the compiled model", shown=f"a batch of shape ({batch}, 6)", kind="callable")
             call(compiled, later.clone(), name="the compiled model", shown=f"a batch of shape ({batch}, 6)", kind="callable")
+        served_runs = spy.runs - runs_before
     if len(spy.calls) > n_calls:
         raise ExerciseFailed("torch.compile ran again while the model ran: compile once, in compile_for_serving, and return that module")
     if len(spy.graphs) > n_graphs:
@@ -373,6 +398,10 @@ def _serve_once(fn: Callable, mode: str, batch: int, seed: int) -> None:
                 "warm up inside `with torch.no_grad():` (Dynamo guards on grad mode)"
             )
         raise ExerciseFailed("a later call with the same input shape compiled again: warm up the way the model will be called")
+    if served_runs < 2:
+        raise ExerciseFailed(
+            "the module you returned ran no compiled code when the server called it (the warm-up did): return the compiled "
+            "module itself, the one torch.compile returned, or the model after model.compile(), not the original")
     with torch.no_grad():
         expected = reference(later)
     expect_tensor(got, expected, what=f"the compiled model's output for a new batch of shape ({batch}, 6)", atol=1e-5)
@@ -651,9 +680,10 @@ def check_bucketed_predict(fn) -> None:
         raise ExerciseFailed(f"the model compiled {len(spy.graphs)} graphs for {len(buckets)} buckets")
 
 
-# Exercise 5: compile_blocks
+# Exercise 5: compile_repeated_blocks. A model with two stacks of different block classes (one nested in a submodule,
+# one an nn.Sequential) and two lists that are not stacks: a single block, and modules of different classes.
 
-class _Block(nn.Module):
+class _EncoderBlock(nn.Module):
     def __init__(self, width: int):
         super().__init__()
         self.norm = nn.LayerNorm(width)
@@ -664,18 +694,50 @@ class _Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-class _Tower(nn.Module):
-    def __init__(self, width: int = 12, depth: int = 5):
+class _DecoderBlock(nn.Module):
+    def __init__(self, width: int):
         super().__init__()
-        self.embed = nn.Linear(7, width)
-        self.blocks = nn.ModuleList(_Block(width) for _ in range(depth))
-        self.head = nn.Linear(width, 3)
+        self.mix = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
+        return x + torch.tanh(self.mix(x))
+
+
+class _Refiner(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.gate = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.gate(x))
+
+
+class _Encoder(nn.Module):
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.layers = nn.ModuleList(_EncoderBlock(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _StackedNet(nn.Module):
+    """embed -> encoder.layers (3 blocks) -> decoder (an nn.Sequential of 2 blocks) -> refine[0] -> heads[0] + heads[1]."""
+
+    def __init__(self, width: int = 12):
+        super().__init__()
+        self.embed = nn.Linear(7, width)
+        self.encoder = _Encoder(width, 3)
+        self.decoder = nn.Sequential(_DecoderBlock(width), _DecoderBlock(width))
+        self.refine = nn.ModuleList([_Refiner(width)])
+        self.heads = nn.ModuleList([nn.Linear(width, 3), nn.Sequential(nn.Linear(width, 3), nn.Tanh())])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.decoder(self.encoder(self.embed(x)))
+        h = self.refine[0](h)
+        return self.heads[0](h) + self.heads[1](h)
 
 
 def _owner(target: Any) -> Any:
@@ -683,50 +745,96 @@ def _owner(target: Any) -> Any:
     return getattr(target, "__self__", target)
 
 
-@exercise("compile_blocks")
+def _compiled_modules(target: Any, result: Any, model: nn.Module, names_of: dict[int, str]) -> list[str]:
+    """The names of the modules a torch.compile call compiled: its target's owner, or the modules whose forward is the result."""
+    owner = _owner(target)
+    if id(owner) in names_of:
+        return [names_of[id(owner)]]
+    users = [name for name, module in model.named_modules()
+             if getattr(module.__dict__.get("forward"), "__func__", module.__dict__.get("forward")) is result]
+    return users or ["a function or module outside the model"]
+
+
+def _not_a_stack(name: str, module: nn.Module) -> str:
+    """Why a container the learner compiled, or whose modules they compiled, is not a stack of repeated blocks."""
+    blocks = list(module.children())
+    if len(blocks) < 2:
+        return (f"{name} holds a single module: nothing repeats, so compiling it costs a compile of its own that no other "
+                "block reuses; compile only stacks of two or more blocks of one class")
+    classes = ", ".join(dict.fromkeys(type(b).__name__ for b in blocks))
+    return (f"{name} holds modules of different classes ({classes}): each would compile a graph of its own, used once; "
+            "compile only stacks of blocks of one class")
+
+
+@exercise("compile_repeated_blocks")
 @_isolated
-def check_compile_blocks(fn) -> None:
+def check_compile_repeated_blocks(fn) -> None:
     torch.manual_seed(9)
-    model = _Tower()
+    model = _StackedNet()
     reference = copy.deepcopy(model)
-    keys, blocks = list(model.state_dict()), list(model.blocks)
+    keys = list(model.state_dict())
+    objects = {name: module for name, module in model.named_modules()}
+    stacks = {name: module for name, module in objects.items() if is_stack(module)}
+    blocks = {f"{name}.{i}": block for name, stack in stacks.items() for i, block in enumerate(stack.children())}
+    names_of = {id(module): name for name, module in objects.items()}
     x = torch.randn(6, 7, generator=torch.Generator().manual_seed(10))
     spy = _CompileSpy()
-    with _class_guard(_Block, ("forward", "__call__", "_call_impl")) as changed:
+    classes = (_EncoderBlock, _DecoderBlock, _Refiner, _Encoder)
+    with contextlib.ExitStack() as guards:
+        changed = [guards.enter_context(_class_guard(cls, ("forward", "__call__", "_call_impl"))) for cls in classes]
         with spy.watching():
-            result = call(fn, model, shown="a model with 5 blocks in model.blocks")
-            if result is None:
-                raise ExerciseFailed("compile_blocks returned None: return the model")
-            if not isinstance(result, nn.Module):
-                raise ExerciseFailed(f"compile_blocks returned {a_type(result)}, expected the model itself")
+            result = call(fn, model, shown="a model with stacks of repeated blocks")
             calls = list(spy.calls)
             runs_before = spy.runs
-            out = call(result, x.clone(), name="the model after compile_blocks", shown="a batch of shape (6, 7)", kind="callable")
+            out = call(model, x.clone(), name="the model after compile_repeated_blocks", shown="a batch of shape (6, 7)",
+                       kind="callable")
             runs = spy.runs - runs_before
-    if changed:
-        raise ExerciseFailed(f"you changed the block class itself ({changed[0]}), which changes every model that uses it: compile this model's blocks only")
-    if any(_owner(target) is model for target, _ in calls):
-        raise ExerciseFailed(
-            "you compiled the whole model: compile each block of model.blocks in place, so that one small graph is compiled and reused"
-        )
-    if not calls:
-        raise ExerciseFailed("torch.compile was never called: compile each block of model.blocks")
-    if result is not model:
-        raise ExerciseFailed(f"compile_blocks returned another module ({type(result).__name__}): return the model you were given, its blocks compiled in place")
-    new_keys = list(model.state_dict())
-    if new_keys != keys:
-        odd = next((k for k in new_keys if k not in keys), new_keys[0] if new_keys else "")
-        raise ExerciseFailed(f"the model's state_dict keys changed (e.g. {odd!r}): compile each block in place, without replacing it in model.blocks")
-    if list(model.blocks) != blocks:
-        raise ExerciseFailed("model.blocks holds other modules than before: compile the blocks in place")
-    if runs < len(blocks):
-        raise ExerciseFailed(f"only {runs} of the {len(blocks)} blocks ran compiled code: compile every block in model.blocks")
-    if runs > len(blocks):
-        raise ExerciseFailed(f"{runs} compiled graphs ran for {len(blocks)} blocks: compile each block once, and nothing around it")
-    block_ops = None
-    for graph in spy.graphs:
-        if block_ops is None:
-            block_ops = len(graph.ops)
-        if len(graph.ops) != block_ops:
-            raise ExerciseFailed("the compiled graphs differ in size: compile each block of model.blocks, and nothing else")
-    expect_tensor(out, reference(x), what="the model's output after compile_blocks", atol=1e-5)
+    patched = next(((cls.__name__, names[0]) for cls, names in zip(classes, changed) if names), None)
+    if patched:
+        raise ExerciseFailed(f"you changed the class {patched[0]} itself ({patched[1]}), which changes every model that uses it: "
+                             "compile this model's blocks, in place")
+    compiled = [name for (target, _), result in zip(calls, spy.compiled) for name in _compiled_modules(target, result, model, names_of)]
+    if "" in compiled:
+        raise ExerciseFailed("you compiled the whole model: compile each block of each stack of repeated blocks, in place, "
+                             "so that one small graph per block class is compiled and reused")
+    for name in compiled:
+        if name in stacks:
+            raise ExerciseFailed(f"you compiled the stack {name} as one module: its blocks are traced into one graph, each copy "
+                                 "again, and nothing is reused; compile each block in it")
+        if name not in blocks:
+            parent = name.rsplit(".", 1)[0] if "." in name else None
+            if parent is not None and parent in objects and isinstance(objects[parent], (nn.ModuleList, nn.Sequential)):
+                raise ExerciseFailed(f"you compiled {name}: {_not_a_stack(parent, objects[parent])}")
+            raise ExerciseFailed(f"you compiled {name}, which is not a block of a stack of repeated blocks: leave it eager")
+    missing = [name for name in stacks if not any(c.startswith(name + ".") for c in compiled)]
+    if missing:
+        where = ("a stack can be an nn.Sequential as well as an nn.ModuleList" if isinstance(stacks[missing[0]], nn.Sequential)
+                 else "look at every module, at any depth (model.named_modules())")
+        raise ExerciseFailed(f"the blocks of {missing[0]} ({len(list(stacks[missing[0]].children()))} "
+                             f"{type(next(stacks[missing[0]].children())).__name__}s) were not compiled: {where}")
+    partly = next((name for name in blocks if name not in compiled), None)
+    if partly:
+        raise ExerciseFailed(f"the block {partly} was not compiled: compile every block of each stack")
+    if len(compiled) > len(set(compiled)):
+        raise ExerciseFailed(f"torch.compile was called {len(compiled)} times for {len(set(compiled))} blocks: compile each block once")
+    if list(model.state_dict()) != keys:
+        odd = next((k for k in model.state_dict() if k not in keys), "")
+        raise ExerciseFailed(f"the model's state_dict keys changed (e.g. {odd!r}): compile each block in place, without replacing it in its stack")
+    if any(objects[name] is not module for name, module in model.named_modules() if name in objects) or len(dict(model.named_modules())) != len(objects):
+        raise ExerciseFailed("the model holds other modules than before: compile the blocks in place")
+    if runs != len(blocks):
+        raise ExerciseFailed(f"{runs} compiled graphs ran in one forward pass, expected {len(blocks)}, one per block of the stacks: "
+                             "compile each block, in place, so that the model's own forward runs them")
+    if len(spy.graphs) > len({type(b) for b in blocks.values()}):
+        raise ExerciseFailed(f"{len(spy.graphs)} graphs were compiled for {len({type(b) for b in blocks.values()})} block classes: "
+                             "blocks of one class should share one graph (compile each block the same way)")
+    expect_tensor(out, reference(x), what="the model's output after compile_repeated_blocks", atol=1e-5)
+    expected = list(stacks)
+    if result is None:
+        raise ExerciseFailed(f"compile_repeated_blocks returned None, expected the names of the stacks it compiled, {expected}")
+    if not isinstance(result, list) or not all(isinstance(n, str) for n in result):
+        raise ExerciseFailed(f"compile_repeated_blocks returned {a_type(result)}, expected a list of names, {expected}")
+    if result != expected:
+        hint = (": the names of the stacks (the containers), not of their blocks" if set(result) == set(blocks) else
+                ": in the order model.named_modules() visits them" if sorted(result) == sorted(expected) else "")
+        raise ExerciseFailed(f"compile_repeated_blocks returned {result}, expected {expected}{hint}")

@@ -1,11 +1,16 @@
 """Lesson 08 (hooks, profiling and debugging): reference solutions and the checks for its exercises."""
 
+import contextlib
 import functools
 import itertools
+import json
 import math
 import os
+import sys
+import tempfile
 import warnings
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +28,11 @@ from course_utils.tooling.checks import (
     exercise,
     expect_callable,
     expect_tensor,
-    expect_unchanged,
     first_line,
+    learner_frame,
     scoreboard_for,
     stub_function,
+    where,
 )
 
 scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
@@ -70,9 +76,18 @@ def layer_grad_norms(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn
     return norms
 
 
-def clip_tensor_grad(t: torch.Tensor, max_abs: float) -> RemovableHandle:
-    """Register a hook that clamps every element of t's gradient to [-max_abs, max_abs]; return its handle."""
-    return t.register_hook(lambda grad: grad.clamp(-max_abs, max_abs))
+def add_gradient_reversal(module: nn.Module, strength: Callable[[], float]) -> RemovableHandle:
+    """From now on, module(x) passes x on unchanged and multiplies the gradient flowing back through x by -strength(),
+    read at that forward call; return the handle that undoes it."""
+    def reverse(module, args):
+        (x,) = args
+        if not (torch.is_grad_enabled() and x.requires_grad):  # evaluation, or a batch of data: no gradient flows back
+            return None
+        lam = strength()  # this step's strength, fixed when the graph is built
+        x = x.view_as(x)  # a node of this branch's own: a hook on x itself would see every use's gradient
+        x.register_hook(lambda grad: -lam * grad)
+        return (x,)
+    return module.register_forward_pre_hook(reverse)
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -143,33 +158,57 @@ def _global_hooks() -> set[tuple[str, int]]:
     return {(d, key) for d in GLOBAL_HOOK_DICTS for key in getattr(module_globals, d, {})}
 
 
-def _leaked_hooks(model: nn.Module, global_before: set[tuple[str, int]]) -> list[str]:
-    """The modules that still carry hooks (the model itself as 'the model itself'), and any new global module hook."""
-    leaked = [name or "the model itself" for name, m in model.named_modules() if any(getattr(m, d) for d in HOOK_DICTS)]
+def _hook_keys(model: nn.Module) -> set[tuple[int, str, int]]:
+    """(module id, hook dict, hook id) for every module hook on the model: what the caller had before a call."""
+    return {(id(m), d, key) for m in model.modules() for d in HOOK_DICTS for key in getattr(m, d)}
+
+
+def _leaked_hooks(model: nn.Module, global_before: set[tuple[str, int]], kept: set = frozenset()) -> list[str]:
+    """The modules that carry hooks other than the caller's own (`kept`), the model itself as 'the model itself', and any new
+    global module hook."""
+    leaked = [name or "the model itself" for name, m in model.named_modules()
+              if any((id(m), d, key) not in kept for d in HOOK_DICTS for key in getattr(m, d))]
     if _global_hooks() - global_before:
         leaked.append("all modules (a global hook)")
     return leaked
 
 
-def _remove_hooks(model: nn.Module, global_before: set[tuple[str, int]]) -> None:
-    """Take the learner's leaked hooks off, so that later cases (and later cells) start clean."""
+def _remove_hooks(model: nn.Module, global_before: set[tuple[str, int]], kept: set = frozenset()) -> None:
+    """Take the learner's leaked hooks off (the caller's own, `kept`, stay), so that later cases and cells start clean."""
     for m in model.modules():
         for d in HOOK_DICTS:
-            getattr(m, d).clear()
+            hooks = getattr(m, d)
+            for key in [k for k in hooks if (id(m), d, k) not in kept]:
+                del hooks[key]
     for d, key in _global_hooks() - global_before:
         getattr(module_globals, d).pop(key, None)
 
 
-def _expect_no_hooks(model: nn.Module, global_before: set[tuple[str, int]], what: str, after: str = "") -> None:
-    leaked = _leaked_hooks(model, global_before)
+def _expect_no_hooks(model: nn.Module, global_before: set[tuple[str, int]], what: str, after: str = "", kept: set = frozenset()) -> None:
+    gone = [key for key in kept if key not in _hook_keys(model)]
+    if gone:
+        raise ExerciseFailed(f"{what} removed {len(gone)} hook{'s' if len(gone) > 1 else ''} that the caller had put on the model: "
+                             "remove only the hooks you registered, through their handles")
+    leaked = _leaked_hooks(model, global_before, kept)
     if not leaked:
         return
-    _remove_hooks(model, global_before)
+    _remove_hooks(model, global_before, kept)
     if after:
         raise ExerciseFailed(
             f"{what} {after} and left hooks on {leaked}: remove every handle in a finally: block, which runs when an error passes through"
         )
     raise ExerciseFailed(f"{what} left hooks on {leaked}: they run on every later call; keep each handle that register_* returns and call handle.remove()")
+
+
+def _callers_hook(model: nn.Module, seen: list[int] | None = None) -> set[tuple[int, str, int]]:
+    """Put a hook of the caller's own on the model (a forward hook that only looks); return the model's hook keys with it.
+    Each time it runs it notes in `seen` how many other forward hooks, the global ones included, the model has then."""
+    def look(module, args, output):
+        if seen is not None:
+            seen.append(len(module._forward_hooks) - 1 + len(module_globals._global_forward_hooks))
+
+    model.register_forward_hook(look)
+    return _hook_keys(model)
 
 
 def _expect_model_error(fn: Callable, args: tuple, what: str, model: nn.Module, global_before: set) -> None:
@@ -196,9 +235,54 @@ def _expect_model_error(fn: Callable, args: tuple, what: str, model: nn.Module, 
         raise ExerciseFailed(f"{what} returned although the model's forward pass raised ModelError: let the error reach the caller (try/finally, no except)")
 
 
-def _expect_same_mode(model: nn.Module, was_training: bool, what: str) -> None:
-    if model.training != was_training:
-        raise ExerciseFailed(f"{what} left the model in {'training' if model.training else 'eval'} mode; it was in {'training' if was_training else 'eval'} mode")
+def _model_state(model: nn.Module) -> dict[str, dict]:
+    """What a check must find unchanged on the caller's model: each module's mode, each parameter's values, requires_grad
+    flag and .grad, and the buffers."""
+    return {
+        "mode": {n: m.training for n, m in model.named_modules()},
+        "values": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+    }
+
+
+def _expect_model_unchanged(model: nn.Module, before: dict[str, dict], what: str, probe: bool = True) -> None:
+    """Fail when the learner's call changed the caller's model: a mode, a parameter, a requires_grad flag, a .grad, a buffer."""
+    modules, params, buffers = dict(model.named_modules()), dict(model.named_parameters()), dict(model.named_buffers())
+    for name, was_training in before["mode"].items():
+        if name in modules and modules[name].training != was_training:
+            whose = "the model" if name == "" else repr(name)
+            now, was = ("training", "eval") if modules[name].training else ("eval", "training")
+            raise ExerciseFailed(f"{what} left {whose} in {now} mode; it was in {was} mode")
+    for name, flag in before["requires_grad"].items():
+        if name in params and params[name].requires_grad != flag:
+            state = "frozen (requires_grad=False)" if not flag else "trainable"
+            raise ExerciseFailed(f"{what} switched requires_grad {'on' if not flag else 'off'} for {name}, which was {state}: "
+                                 "leave the caller's parameters as they were")
+    for name, value in before["values"].items():
+        if name in params and not torch.equal(params[name].detach(), value):
+            raise ExerciseFailed(f"{what} changed the values of parameter {name}: an optimizer step or an in-place operation on "
+                                 "the caller's model")
+    for name, grad in before["grads"].items():
+        after = params[name].grad if name in params else None
+        if (grad is None) != (after is None) or (grad is not None and not torch.equal(grad, after)):
+            state = "None" if grad is None else "a stale gradient"
+            advice = ("a probe leaves .grad as it was (torch.autograd.grad returns the gradients without touching .grad)" if probe
+                      else "leave .grad as it was")
+            raise ExerciseFailed(f"{what} changed {name}.grad, which held {state}: {advice}")
+    for name, value in before["buffers"].items():
+        if name in buffers and not torch.equal(buffers[name], value):
+            raise ExerciseFailed(f"{what} changed the buffer {name} of the caller's model")
+
+
+def _expect_tensor_unchanged(before: torch.Tensor, requires_grad: bool, after: torch.Tensor, what: str, name: str) -> None:
+    """Fail when the learner's call changed the caller's tensor: its values, or its requires_grad flag."""
+    if after.requires_grad != requires_grad:
+        raise ExerciseFailed(f"{what} switched {'on' if after.requires_grad else 'off'} requires_grad on the caller's {name}: "
+                             f"leave the caller's tensor as it was")
+    if before.shape != after.shape or not torch.equal(before, after.detach()):
+        raise ExerciseFailed(f"{what} modified the caller's {name} in place: work on a copy, or use out-of-place operations")
 
 
 def _expect_dict(got: Any, what: str, returned_what: str) -> dict:
@@ -206,19 +290,6 @@ def _expect_dict(got: Any, what: str, returned_what: str) -> dict:
         raise ExerciseFailed(f"{what} returned None: did you forget to `return` the dict?")
     if not isinstance(got, dict):
         raise ExerciseFailed(f"{what} returned {a_type(got)}, expected a dict {{name: {returned_what}}}")
-    return got
-
-
-def _expect_names(got: Any, names: list[str], what: str, returned_what: str, hook_args: str) -> dict:
-    """A dict with exactly the names a hook-registering answer was given; the late-binding closure named."""
-    got = _expect_dict(got, what, returned_what)
-    if len(got) == 1 and len(names) > 1 and next(iter(got)) == names[-1]:
-        raise ExerciseFailed(
-            f"{what} returned only the key {names[-1]!r}: every hook used the loop variable's last value; "
-            f"bind each name when you define the hook, e.g. def hook({hook_args}, name=name)"
-        )
-    if set(got) != set(names):
-        raise ExerciseFailed(f"{what} returned the keys {sorted(got, key=str)}, expected {sorted(names)} (the names you were given)")
     return got
 
 
@@ -230,13 +301,49 @@ def _backward(loss: torch.Tensor, what: str) -> None:
     """loss.backward(), with an error raised by the learner's hook reported in one line."""
     try:
         loss.backward()
-    except Exception as err:
-        raise ExerciseFailed(f"backward() through {what} raised {type(err).__name__}: {first_line(err)}") from None
+    except Exception as err:  # noqa: BLE001 -- raised by the learner's hook, reported as theirs
+        frame = learner_frame(err, __file__)
+        place = where(frame) if frame else ""
+        raise ExerciseFailed(f"backward() through {what} raised {type(err).__name__}: {first_line(err)}{place}") from None
 
 
 # capture_activations
 
-class _Probe(nn.Module):
+class _Counted(nn.Module):
+    """A hidden model that counts its forward passes (`runs`, counted by its forward) and the calls that came through
+    model(x), which runs the hooks (`calls`), rather than through model.forward(x), which skips the model's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.runs = 0
+        self.calls = 0
+        self.inputs: list[Any] = []
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        self.inputs.append(args[0] if args else None)
+        return super().__call__(*args, **kwargs)
+
+    def recount(self) -> None:
+        self.runs = self.calls = 0
+        self.inputs = []
+
+
+def _expect_one_run(model: _Counted, what: str, x: torch.Tensor) -> None:
+    """The prompt says "run model(x) once": its forward ran exactly once, called as model(x), on x itself."""
+    if model.runs == 0:
+        raise ExerciseFailed(f"{what} never ran the model: call model(x) once, with the hooks on")
+    if model.runs > 1:
+        raise ExerciseFailed(f"{what} ran the model {model.runs} times; run model(x) once: the hooks see every pass")
+    if model.calls == 0:
+        raise ExerciseFailed(f"{what} called model.forward(x), which skips the model's own hooks: call model(x)")
+    given = model.inputs[0]
+    if not isinstance(given, torch.Tensor) or given.shape != x.shape or not torch.equal(given.detach(), x):
+        shape = f"of shape {tuple(given.shape)}" if isinstance(given, torch.Tensor) else a_type(given)
+        raise ExerciseFailed(f"{what} ran the model on an input other than x ({shape}, x has shape {tuple(x.shape)}): run model(x)")
+
+
+class _Probe(_Counted):
     """A small model with named, nested sub-modules; `trip` makes its forward raise after `block` has run."""
 
     def __init__(self, trip: bool = False):
@@ -248,13 +355,14 @@ class _Probe(nn.Module):
         self.trip = trip
 
     def forward(self, x):
+        self.runs += 1
         h = self.block(self.act(self.stem(x)))
         if self.trip:
             raise ModelError("the hidden model failed on purpose")
         return self.head(h)
 
 
-def _probe(seed: int, trip: bool = False) -> nn.Module:
+def _probe(seed: int, trip: bool = False) -> _Probe:
     torch.manual_seed(seed)
     return _Probe(trip)
 
@@ -276,26 +384,77 @@ def _inputs_and_outputs(model: nn.Module, x: torch.Tensor, names: list[str]) -> 
     return inputs, outputs
 
 
+def _expect_names(got: Any, names: list[str], what: str, returned_what: str, hook_args: str, model: nn.Module | None = None) -> dict:
+    """A dict with exactly the names a hook-registering answer was given; the late-binding closure, nested names and the
+    modules that have children named."""
+    got = _expect_dict(got, what, returned_what)
+    if len(got) == 1 and len(names) > 1 and next(iter(got)) == names[-1]:
+        raise ExerciseFailed(
+            f"{what} returned only the key {names[-1]!r}: every hook used the loop variable's last value; "
+            f"bind each name when you define the hook, e.g. def hook({hook_args}, name=name)"
+        )
+    missing, extra = [n for n in names if n not in got], [k for k in got if k not in names]
+    if missing and not extra and all("." in n for n in missing):
+        raise ExerciseFailed(f"{what} has no entry for the nested name{'s' if len(missing) > 1 else ''} {missing}: look each name up "
+                             "in dict(model.named_modules()), which spells nested modules with dots (named_children() lists only the top level)")
+    if missing == [""] and not extra:
+        raise ExerciseFailed(f"{what} has no entry for '' (the model itself): named_modules() lists the model first, with the name ''; "
+                             "its own forward hook runs only when you call model(x)")
+    if model is not None and missing and not extra:
+        modules = dict(model.named_modules())
+        parents = {n for n in names if n in modules and next(modules[n].children(), None) is not None}
+        if set(missing) == parents:
+            shown = ", ".join("'' (the model itself)" if n == "" else repr(n) for n in missing)
+            raise ExerciseFailed(f"{what} has no entry for {shown}: exactly the names of modules that have children are missing; "
+                                 "every name you were given counts, containers and the model itself too")
+    if set(got) != set(names):
+        raise ExerciseFailed(f"{what} returned the keys {sorted(got, key=str)}, expected {sorted(names)} (the names you were given)")
+    return got
+
+
+NESTED_NAME_HINT = {"'block.1'": "a nested name: model._modules and named_children() know only the top level; look names up in "
+                              "dict(model.named_modules())",
+                    "'body.1'": "a nested name: model._modules and named_children() know only the top level; look names up in "
+                                "dict(model.named_modules())"}
+
+
 @exercise("capture_activations")
 def check_capture_activations(fn) -> None:
     model = _probe(0)
     g = torch.Generator().manual_seed(1)
-    for batch, names in ((5, ["stem", "block.1", "head"]), (1, ["act", "block"])):
+    for batch, names, training in ((5, ["stem", "block.1", "head"], True), (1, ["act", "block", ""], False),
+                                   (3, ["head", "block.0", "stem"], True)):
+        model.train(training)
+        model.block[0].requires_grad_(batch != 3)  # a frozen layer in the last case: it stays frozen
         x = torch.randn(batch, 6, generator=g)
         x_before = x.clone()
         shown = f"model, tensor of shape {tuple(x.shape)}, {names}"
         what = f"capture_activations({shown})"
-        inputs, expected = _inputs_and_outputs(model, x, names)
-        global_before = _global_hooks()
-        got = call(fn, model, x, list(names), shown=shown)
-        _expect_no_hooks(model, global_before, what)
-        expect_unchanged(x_before, x, what="capture_activations")
-        _expect_same_mode(model, True, what)
-        got = _expect_names(got, names, what, "activation", "module, args, output")
+        inputs, expected = _inputs_and_outputs(model, x, [n for n in names if n])
+        every = [n for n, _ in model.named_modules() if n]
+        outputs_of_all = dict(sorted(_inputs_and_outputs(model, x, every)[1].items(), key=lambda item: every.index(item[0])))
+        if "" in names:
+            with torch.no_grad():
+                inputs[""], expected[""] = x, model(x)
+        global_before, state, kept = _global_hooks(), _model_state(model), _callers_hook(model)
+        model.recount()
+        got = call(fn, model, x, list(names), shown=shown, hints=NESTED_NAME_HINT)
+        _expect_no_hooks(model, global_before, what, kept=kept)
+        _remove_hooks(model, global_before)
+        _expect_one_run(model, what, x)
+        _expect_tensor_unchanged(x_before, False, x, what, "x")
+        _expect_model_unchanged(model, state, what, probe=False)
+        got = _expect_names(got, names, what, "activation", "module, args, output", model)
         for name in names:
             value = got[name]
             if isinstance(value, (tuple, list)) and torch.is_tensor(value[0] if value else None):
-                raise ExerciseFailed(f"{what}[{name!r}] is a {type(value).__name__}: store the hook's output, a tensor (the inputs come as a tuple)")
+                if len(value) == 1 and _same(value[0].detach(), expected[name]):
+                    raise ExerciseFailed(f"{what}[{name!r}] is a {type(value).__name__} that holds the output: store the output itself, "
+                                         "one tensor per name")
+                if _same(value[0].detach(), inputs[name]):
+                    raise ExerciseFailed(f"{what}[{name!r}] is a {type(value).__name__} that holds the module's input: a forward hook is "
+                                         "called as hook(module, args, output), and args is the tuple of inputs; store output")
+                raise ExerciseFailed(f"{what}[{name!r}] is a {type(value).__name__}, expected a tensor (the sub-module's output)")
             if not isinstance(value, torch.Tensor):
                 raise ExerciseFailed(f"{what}[{name!r}] is {a_type(value)}, expected a tensor (the sub-module's output)")
             if value.requires_grad:
@@ -304,10 +463,17 @@ def check_capture_activations(fn) -> None:
                 )
             if _same(value, inputs[name]) and not _same(inputs[name], expected[name]):
                 raise ExerciseFailed(f"{what}[{name!r}] is the module's input: a forward hook is called as hook(module, args, output); store output")
+            if value.ndim == expected[name].ndim - 1 and expected[name].shape[0] > 1 and _same(value, expected[name][0]):
+                raise ExerciseFailed(f"{what}[{name!r}] is the first sample's output only (output[0]), of shape {tuple(value.shape)}: "
+                                     f"store the whole batch's output, of shape {tuple(expected[name].shape)}")
+            other = next((n for n, out in outputs_of_all.items() if n != name and _same(value, out) and not _same(out, expected[name])), None)
+            if other is not None:
+                whose = "the model's" if other == "" else f"{other!r}'s"
+                raise ExerciseFailed(f"{what}[{name!r}] is {whose} output: store each output under its own module's name")
             expect_tensor(value, expected[name], what=f"{what}[{name!r}]", atol=1e-6)
 
     tripped = _probe(0, trip=True)
-    names = ["stem", "block"]
+    names = ["stem", "block", "head"]  # head never runs: its hook must go although it was never called
     x = torch.randn(4, 6, generator=g)
     _expect_model_error(fn, (tripped, x, names), f"capture_activations(a model whose forward raises, tensor of shape (4, 6), {names})",
                         tripped, _global_hooks())
@@ -315,7 +481,7 @@ def check_capture_activations(fn) -> None:
 
 # layer_grad_norms
 
-class _Tower(nn.Module):
+class _Tower(_Counted):
     """A small classifier with a nested block; `trip` makes its forward raise after the body has run."""
 
     def __init__(self, trip: bool = False):
@@ -326,20 +492,21 @@ class _Tower(nn.Module):
         self.trip = trip
 
     def forward(self, x):
+        self.runs += 1
         h = self.body(self.stem(x))
         if self.trip:
             raise ModelError("the hidden model failed on purpose")
         return self.head(h)
 
 
-def _tower(seed: int, trip: bool = False) -> nn.Module:
+def _tower(seed: int, trip: bool = False) -> _Tower:
     torch.manual_seed(seed)
     return _Tower(trip)
 
 
-def _boundary_grad_norms(model: nn.Module, x, y, loss_fn, names) -> tuple[dict[str, float], dict[str, float | None]]:
-    """{name: |d loss / d output|} and {name: |d loss / d input|, None where the input needs no gradient}, computed without hooks
-    of the learner's kind: the outputs and inputs are kept by forward hooks and differentiated with torch.autograd.grad."""
+def _boundary_grads(model: nn.Module, x, y, loss_fn, names) -> tuple[dict, dict, dict]:
+    """{name: d loss / d output}, {name: |d loss / d input|, None where the input needs no gradient} and {name: |d loss / d weight|
+    where the module has a trainable weight}, computed with torch.autograd.grad on the outputs and inputs that forward hooks kept."""
     modules = dict(model.named_modules())
     outs, ins = {}, {}
 
@@ -352,16 +519,60 @@ def _boundary_grad_norms(model: nn.Module, x, y, loss_fn, names) -> tuple[dict[s
     finally:
         for h in handles:
             h.remove()
-    wanted = [outs[n] for n in names] + [ins[n] for n in names if ins[n].requires_grad]
+    weights = {n: modules[n].weight for n in names if isinstance(getattr(modules[n], "weight", None), nn.Parameter)
+               and modules[n].weight.requires_grad}
+    wanted = [outs[n] for n in names] + [ins[n] for n in names if ins[n].requires_grad] + list(weights.values())
     grads = torch.autograd.grad(loss, wanted)
-    out_norms = {n: g.norm().item() for n, g in zip(names, grads)}
+    out_grads = dict(zip(names, grads))
     rest = iter(grads[len(names):])
     in_norms = {n: next(rest).norm().item() if ins[n].requires_grad else None for n in names}
-    return out_norms, in_norms
+    weight_norms = {n: next(rest).norm().item() for n in weights}
+    return out_grads, in_norms, weight_norms
 
 
-def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+# What a learner's number is, when it is one of these instead of the norm of d loss / d output (g: that gradient).
+NORM_MIX_UPS = {
+    "the squared norm (the sum of squares): take its square root, grad.norm()": lambda g: g.pow(2).sum(),
+    "the mean of |grad|, not the L2 norm": lambda g: g.abs().mean(),
+    "the L1 norm (the sum of |grad|), not the L2 norm": lambda g: g.abs().sum(),
+    "the largest |grad| (the max norm), not the L2 norm": lambda g: g.abs().max(),
+    "the mean of the squares, not the L2 norm": lambda g: g.pow(2).mean(),
+    "the root mean square, not the L2 norm (the mean divides by the number of elements)": lambda g: g.pow(2).mean().sqrt(),
+    "half the squared norm, not the L2 norm": lambda g: g.pow(2).sum() / 2,
+    "the mean of the per-sample norms, not the norm of the whole gradient": lambda g: g.flatten(1).norm(dim=1).mean(),
+    "the sum of the per-sample norms, not the norm of the whole gradient": lambda g: g.flatten(1).norm(dim=1).sum(),
+    "the norm divided by the batch size: the L2 norm of the whole gradient is wanted, as it is": lambda g: g.norm() / g.shape[0],
+    "the norm divided by the number of elements: the L2 norm of the whole gradient is wanted, as it is": lambda g: g.norm() / g.numel(),
+    "the norm of the first sample's gradient only, not of the whole batch's": lambda g: g[0].norm(),
+    "the spectral norm (the largest singular value, ord=2 of a matrix), not the L2 norm of all elements":
+        lambda g: torch.linalg.matrix_norm(g.flatten(1), ord=2),
+    "the norm of the gradient averaged over the batch, not of the whole gradient": lambda g: g.mean(0).norm(),
+}
+
+
+def _hook_kinds(model: nn.Module, names: list[str]) -> tuple[dict[str, set], set[str], list]:
+    """Watch which backward hooks are on each named module when its forward runs (the learner registers them before
+    the forward pass, where PyTorch sets them up): {name: {'full', 'old'}}; the names whose output a gradient reached
+    during the call (filled by the backward pass); and the watching hooks' handles."""
+    modules, seen, reached = dict(model.named_modules()), {n: set() for n in names}, set()
+
+    def mark(module, args, output, name):  # returns None: only looks
+        for t in tensors_in(output):
+            if t.requires_grad:
+                t.register_hook(lambda grad, name=name: reached.add(name))
+
+    def look(module, args, name):
+        full_global = bool(module_globals._global_backward_hooks) and module_globals._global_is_full_backward_hook
+        if module._backward_pre_hooks or module_globals._global_backward_pre_hooks or full_global:
+            seen[name].add("full")
+        if module._backward_hooks:
+            seen[name].add("full" if module._is_full_backward_hook else "old")
+        if module_globals._global_backward_hooks and not module_globals._global_is_full_backward_hook:
+            seen[name].add("old")
+
+    handles = [modules[n].register_forward_pre_hook(functools.partial(look, name=n)) for n in names]
+    handles += [modules[n].register_forward_hook(functools.partial(mark, name=n)) for n in names]
+    return seen, reached, handles
 
 
 @exercise("layer_grad_norms")
@@ -369,7 +580,13 @@ def check_layer_grad_norms(fn) -> None:
     hints = {
         "'NoneType' object has no attribute": "something your code used is None; grad_input holds None for an input that needs "
                                               "no gradient, such as the data going into the first layer",
-        "does not require grad": "some parameters are frozen (requires_grad=False): differentiate only those that require grad",
+        "One of the differentiated Tensors does not require grad": "some parameters are frozen (requires_grad=False): "
+                                                                  "differentiate only those that require grad",
+        "element 0 of tensors does not require grad": "the loss has no graph: the forward pass ran with gradients off "
+                                                      "(torch.no_grad(), inference_mode) or its output was detached",
+        "has no len()": "a full backward hook's return value replaces grad_input, so it must be None or a tuple; your hook "
+                        "returned something else (dict.setdefault returns the value)",
+        **NESTED_NAME_HINT,
     }
     g = torch.Generator().manual_seed(11)
     cases = []
@@ -388,48 +605,50 @@ def check_layer_grad_norms(fn) -> None:
     for model, x, y, loss_fn, names, loss_name in cases:
         shown = f"model, inputs of shape {tuple(x.shape)}, targets of shape {tuple(y.shape)}, {loss_name}, {names}"
         what = f"layer_grad_norms({shown})"
-        expected, grad_inputs = _boundary_grad_norms(model, x, y, loss_fn, names)
-        x_before, grads_before, was_training = x.clone(), _grads(model), model.training
-        weights = {n: m.weight.detach().norm().item() for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)}
+        out_grads, grad_inputs, weight_norms = _boundary_grads(model, x, y, loss_fn, names)
+        expected = {n: grad.norm().item() for n, grad in out_grads.items()}
+        x_before, y_before, state = x.clone(), y.clone(), _model_state(model)
         global_before = _global_hooks()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")  # the first layer's input needs no gradient: its full backward hook warns
-            got = call(fn, model, x, y, loss_fn, list(names), shown=shown, hints=hints)
+        kinds, reached, watchers = _hook_kinds(model, names)
+        model.recount()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the first layer's input needs no gradient: its full backward hook warns
+                frozen = any(not p.requires_grad for p in model.parameters())
+                got = call(fn, model, x, y, loss_fn, list(names), shown=shown, hints={**hints, **({} if frozen else {
+                    "One of the differentiated Tensors does not require grad": "a tensor you differentiated with respect to does not "
+                    "require grad: no parameter of this model is frozen, and the data x needs no gradient; differentiate with respect "
+                    "to the trainable parameters"})})
+        finally:
+            for handle in watchers:
+                handle.remove()
         _expect_no_hooks(model, global_before, what)
-        if any("non-full backward hook" in str(w.message) for w in caught):
+        _expect_one_run(model, what, x)
+        if any("old" in k for k in kinds.values()):
             raise ExerciseFailed(
                 f"{what} used register_backward_hook, which is deprecated and misses gradients of modules made of several operations: "
                 "use register_full_backward_hook"
             )
-        expect_unchanged(x_before, x, what="layer_grad_norms")
-        _expect_same_mode(model, was_training, what)
-        for n, before in grads_before.items():
-            after = dict(model.named_parameters())[n].grad
-            if (before is None) != (after is None) or (before is not None and not torch.equal(before, after)):
-                state = "None" if before is None else "a stale gradient"
-                raise ExerciseFailed(
-                    f"{what} changed {n}.grad, which held {state}: a probe leaves .grad as it was "
-                    "(torch.autograd.grad returns the gradients without touching .grad)"
-                )
-        got = _expect_names(got, names, what, "gradient norm", "module, grad_input, grad_output")
-        for name in names:
-            value = got[name]
-            if isinstance(value, torch.Tensor):
-                raise ExerciseFailed(f"{what}[{name!r}] is a tensor, expected a Python float: call .item() on the norm")
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ExerciseFailed(f"{what}[{name!r}] is {a_type(value)}, expected a Python float")
-        for name in names:
-            value, want = got[name], expected[name]
-            if math.isclose(value, want, rel_tol=1e-4, abs_tol=1e-7):
-                continue
-            if grad_inputs[name] is not None and math.isclose(value, grad_inputs[name], rel_tol=1e-4, abs_tol=1e-7):
-                raise ExerciseFailed(
-                    f"{what}[{name!r}] is {value:.6g}, the norm of the gradient at the layer's input (grad_input); "
-                    f"expected {want:.6g}, at its output (grad_output)"
-                )
-            if name in weights and math.isclose(value, weights[name], rel_tol=1e-5):
-                raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, the norm of the layer's weight itself; expected {want:.6g}, the norm of d loss / d output")
-            raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, expected {want:.6g} (the L2 norm of d loss / d the layer's output)")
+        unhooked = [n for n in names if not kinds[n]]
+        _expect_tensor_unchanged(x_before, False, x, what, "x")
+        _expect_tensor_unchanged(y_before, False, y, what, "y")
+        _expect_model_unchanged(model, state, what)
+        if unhooked and all("." in n for n in unhooked) and len(unhooked) < len(names) and isinstance(got, dict) and \
+                not any(n in got for n in unhooked):
+            raise ExerciseFailed(f"{what} put no hook on the nested name{'s' if len(unhooked) > 1 else ''} {unhooked}: look each name up "
+                                 "in dict(model.named_modules()), which spells nested modules with dots (named_children() lists only the top level)")
+        if unhooked:
+            raise ExerciseFailed(f"{what} ran the forward pass with no full backward hook on {unhooked}: the prompt asks for "
+                                 "module.register_full_backward_hook, registered before the forward pass")
+        if isinstance(got, dict) and not any(n in got for n in names) and not reached:
+            raise ExerciseFailed(f"{what} returned {'an empty dict' if not got else f'the keys {sorted(got, key=str)[:6]}'}: no gradient "
+                                 "reached the layers' outputs during the call, so no backward hook ran; run the loss backwards through "
+                                 "the layers (with respect to tensors before them, such as the trainable parameters)")
+        got = _expect_names(got, names, what, "gradient norm", "module, grad_input, grad_output", model)
+        weight_values = {n: m.weight.detach().norm().item() for n, m in model.named_modules()
+                         if n in names and isinstance(getattr(m, "weight", None), torch.Tensor)}
+        _expect_norms(got, names, expected, out_grads, grad_inputs, weight_norms, weight_values, what,
+                      {y.numel(): "the number of target elements", len(x): "the batch size"})  # the batch size wins a tie
 
     tripped = _tower(5, trip=True)
     names = ["stem", "body"]
@@ -439,53 +658,318 @@ def check_layer_grad_norms(fn) -> None:
                         tripped, _global_hooks())
 
 
-# clip_tensor_grad
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-7)
 
-@exercise("clip_tensor_grad")
-def check_clip_tensor_grad(fn) -> None:
-    upstream = torch.tensor([[4.0, -3.0, 0.5], [-0.25, 2.0, -6.0]])
-    max_abs = 1.0
-    clipped = upstream.clamp(-max_abs, max_abs)
 
-    # A leaf that feeds an addition: autograd hands the same gradient tensor to both of its inputs.
-    a = torch.zeros(2, 3, requires_grad=True)
-    b = torch.zeros(2, 3, requires_grad=True)
-    what = "clip_tensor_grad(t, 1.0)"
-    handle = call(fn, a, max_abs, shown="t, 1.0")
-    if handle is None:
-        raise ExerciseFailed(f"{what} returned None: return the handle that t.register_hook(...) gives you, so the hook can be removed")
-    if not isinstance(handle, RemovableHandle):
-        raise ExerciseFailed(f"{what} returned {a_type(handle)}: return the handle that t.register_hook(...) gives you")
-    _backward(((a + b) * upstream).sum(), f"the hook of {what}")
-    if a.grad is None:
-        raise ExerciseFailed(f"after {what} and backward(), t.grad is None: the hook must return the new gradient, not None")
-    if torch.allclose(a.grad, upstream):
-        raise ExerciseFailed(f"after {what}, t's gradient was not clipped: register the hook with t.register_hook(hook), and let the hook return the clipped gradient")
-    if not torch.allclose(b.grad, upstream):
-        raise ExerciseFailed(
-            "another tensor's gradient was clipped too: your hook modified the gradient in place, and autograd shares that tensor; "
-            "return a new one, grad.clamp(-max_abs, max_abs)"
-        )
-    if torch.allclose(a.grad, upstream.clamp(max=max_abs)):
-        raise ExerciseFailed(f"after {what}, gradients below -max_abs were not clipped: clamp to both sides, [-max_abs, max_abs]")
-    if torch.allclose(a.grad, upstream * max_abs / upstream.norm()):
-        raise ExerciseFailed(f"after {what}, the whole gradient was rescaled to norm max_abs: clamp each element instead")
-    expect_tensor(a.grad, clipped, what=f"t.grad after {what} and backward()")
+def _expect_norms(got: dict, names: list[str], expected: dict, out_grads: dict, grad_inputs: dict, weight_norms: dict,
+                  weight_values: dict, what: str, counts: dict[int, str]) -> None:
+    """Each value a Python float equal to the norm at the layer's output; a value that is a known other quantity named. `counts`:
+    the sizes a loss summed instead of averaged would multiply every norm by, with their names."""
+    numbers = {n: v for n, v in got.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
-    # A tensor in the middle of a graph: the clipped gradient is what flows on to the weights.
-    g = torch.Generator().manual_seed(4)
-    x, w = torch.randn(2, 4, generator=g), torch.randn(4, 3, generator=g, requires_grad=True)
-    h = x @ w
-    call(fn, h, 0.5, shown="h, 0.5 (h = x @ w, in the middle of a graph)")
-    _backward((h * upstream).sum(), "the hook of clip_tensor_grad(h, 0.5)")
-    expect_tensor(w.grad, x.T @ upstream.clamp(-0.5, 0.5), what="w.grad after clip_tensor_grad(h, 0.5) on h = x @ w: the clipped gradient should flow on to w", atol=1e-5)
+    def stand_in(v: Any) -> bool:  # what a learner writes where grad_input holds None: None itself, 0, or NaN
+        return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and (v == 0 or math.isnan(v)))
 
-    # The handle removes the hook.
-    handle.remove()
-    a.grad = None
-    _backward(((a + b) * upstream).sum(), "t after handle.remove()")
-    if not torch.allclose(a.grad, upstream):
-        raise ExerciseFailed("after handle.remove(), the gradient was still clipped: return the handle of the hook that clips")
+    # grad_input instead of grad_output: None (or a stand-in) exactly where the input needs no gradient, its norm elsewhere
+    if any(grad_inputs[n] is None for n in names) and any(grad_inputs[n] is not None and not _close(grad_inputs[n], expected[n])
+                                                          for n in names) and all(
+            stand_in(got[n]) if grad_inputs[n] is None else (n in numbers and _close(numbers[n], grad_inputs[n])) for n in names):
+        first = next(n for n in names if grad_inputs[n] is None)
+        raise ExerciseFailed(f"{what}[{first!r}] is {got[first]!r}, and the other values are the norms at the layers' inputs: you read "
+                             "grad_input, which holds None for an input that needs no gradient (the data); the gradient at the output is "
+                             "grad_output[0]")
+    for name in names:
+        value = got[name]
+        if isinstance(value, torch.Tensor):
+            raise ExerciseFailed(f"{what}[{name!r}] is a tensor, expected a Python float: call .item() on the norm")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ExerciseFailed(f"{what}[{name!r}] is {a_type(value)}, expected a Python float")
+    ratios = [got[n] / expected[n] for n in names if expected[n] > 0]
+    if ratios and all(math.isclose(r, ratios[0], rel_tol=1e-4) for r in ratios):
+        scale = next(((count, label) for count, label in counts.items() if count > 1 and math.isclose(ratios[0], count, rel_tol=1e-4)), None)
+        if scale:
+            raise ExerciseFailed(f"{what}: every norm is {scale[0]} times the expected one ({scale[1]}), e.g. [{names[0]!r}] is "
+                                 f"{got[names[0]]:.6g}, expected {expected[names[0]]:.6g}: the loss was summed where loss_fn averages "
+                                 "(reduction='sum', or the mean multiplied by a count); use loss_fn(model(x), y) as it is")
+    for name in names:
+        value, want = got[name], expected[name]
+        if _close(value, want):
+            continue
+        if grad_inputs[name] is not None and _close(value, grad_inputs[name]):
+            raise ExerciseFailed(
+                f"{what}[{name!r}] is {value:.6g}, the norm of the gradient at the layer's input (grad_input); "
+                f"expected {want:.6g}, at its output (grad_output)"
+            )
+        if name in weight_values and _close(value, weight_values[name]):
+            raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, the norm of the layer's weight itself; expected {want:.6g}, "
+                                 "the norm of d loss / d the layer's output")
+        if name in weight_norms and _close(value, weight_norms[name]):
+            raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, the norm of the gradient of the layer's weight; expected {want:.6g}, "
+                                 "the norm of d loss / d the layer's output (grad_output)")
+        other = next((n for n in names if n != name and _close(value, expected[n])), None)
+        if other is not None:
+            raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, the norm at {other!r}'s output; expected {want:.6g}: record each norm "
+                                 "under its own layer's name (the backward hooks run in the reverse order of the layers)")
+        mix_up = next((text for text, of in NORM_MIX_UPS.items() if _close(value, of(out_grads[name]).item())), None)
+        if mix_up:
+            raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, {mix_up}; expected {want:.6g}")
+        raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, expected {want:.6g} (the L2 norm of d loss / d the layer's output)")
+
+
+# add_gradient_reversal
+
+class _Domain(nn.Module):
+    """A domain classifier whose first operation adds a shift of the input's own shape. The check rebuilds the shift from
+    the `offset` parameter before each call, so autograd hands one gradient tensor to both the input and the shift and
+    reaches the shift last: a hook that edits its gradient in place shows in offset.grad."""
+
+    def __init__(self, batch: int, width: int):
+        super().__init__()
+        self.offset = nn.Parameter(torch.zeros(batch, width))
+        self.lin = nn.Linear(width, 2)
+        self.shift = torch.zeros(batch, width)
+
+    def rebuild(self) -> None:
+        self.shift = self.offset * 1.0
+
+    def forward(self, x):
+        return self.lin(torch.tanh(x + self.shift))
+
+
+class _Scale(torch.autograd.Function):
+    """Identity in the forward pass; multiplies the gradient by a constant in the backward pass (the check's own reversal)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class _Adversarial:
+    """Two training steps of a domain-adversarial model: features h = data @ w feed a label head and the domain classifier."""
+
+    def __init__(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
+        self.data = [torch.randn(4, 5, generator=g) for _ in range(2)]
+        self.w = torch.randn(5, 6, generator=g).requires_grad_()
+        self.label = nn.Linear(6, 3)
+        self.domain = _Domain(4, 6)
+        with torch.no_grad():
+            self.domain.offset.copy_(torch.randn(4, 6, generator=g) * 0.3)
+        self.label_weight, self.domain_weight = torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {"w": self.w, **{f"label.{n}": p for n, p in self.label.named_parameters()},
+                **{f"domain.{n}": p for n, p in self.domain.named_parameters()}}
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        """The gradients, which it then clears."""
+        grads = {n: p.grad for n, p in self.params().items()}
+        for p in self.params().values():
+            p.grad = None
+        return grads
+
+    def loss(self, h: torch.Tensor, domain_out: torch.Tensor) -> torch.Tensor:
+        return (self.label(h) * self.label_weight).sum() + (domain_out * self.domain_weight).sum()
+
+    def plain_output(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.domain.lin(torch.tanh(h + self.domain.offset))
+
+    def run(self, lams: tuple[float, ...], schedule: dict | None = None) -> dict[str, torch.Tensor]:
+        """The gradients of len(lams) steps through the domain classifier with whatever hooks it has, strength() at lams[i]."""
+        total = 0
+        for data, lam in zip(self.data, lams):
+            if schedule is not None:
+                schedule["lam"] = lam
+            self.domain.rebuild()
+            h = data @ self.w
+            total = total + self.loss(h, self.domain(h))
+        total.backward()
+        return self.grads()
+
+    def simulate(self, factors: tuple[float, ...], where: str = "branch") -> dict[str, torch.Tensor]:
+        """The gradients of len(factors) steps in which the gradient is multiplied by factors[i]: at the domain classifier's
+        input ('branch', the exercise), on the features for every use ('input'), or at the classifier's output ('output').
+        The module's own hooks are off meanwhile."""
+        saved = {d: dict(getattr(self.domain, d)) for d in HOOK_DICTS}
+        saved_global = {d: dict(getattr(module_globals, d)) for d in GLOBAL_HOOK_DICTS if hasattr(module_globals, d)}
+        for d in HOOK_DICTS:
+            getattr(self.domain, d).clear()
+        for d in saved_global:
+            getattr(module_globals, d).clear()
+        try:
+            total = 0
+            for data, factor in zip(self.data, factors):
+                self.domain.rebuild()
+                h = data @ self.w
+                if where == "input":
+                    h = _Scale.apply(h, factor)
+                out = self.domain(_Scale.apply(h, factor) if where == "branch" else h)
+                total = total + self.loss(h, _Scale.apply(out, factor) if where == "output" else out)
+            total.backward()
+            return self.grads()
+        finally:
+            for d, hooks in saved.items():
+                getattr(self.domain, d).update(hooks)
+            for d, hooks in saved_global.items():
+                getattr(module_globals, d).update(hooks)
+
+
+def _same_grads(a: dict, b: dict) -> bool:
+    return all((a[n] is None) == (b[n] is None) and (a[n] is None or torch.allclose(a[n], b[n], rtol=1e-4, atol=1e-7)) for n in a)
+
+
+def _reversal_fault(world: _Adversarial, got: dict, lams: tuple[float, float], registered: float, late: float) -> str:
+    """The usual mistake that explains a wrong set of gradients exactly, or ''."""
+    expected = world.simulate((-lams[0], -lams[1]))
+    others = [n for n in expected if n != "domain.offset"]
+    if _same_grads({n: got[n] for n in others}, {n: expected[n] for n in others}):
+        return ("the module's offset, which its first operation adds to the input, learned from the reversed gradient too: your hook "
+                "modified the gradient tensor it received in place, and autograd hands that tensor to the offset as well; "
+                "return a new one (-lam * grad)")
+    places = [
+        ("branch", ""),
+        ("input", "the features' other use (the label head) got the reversed gradient too: a hook on the input tensor itself sees its "
+         "gradient summed over every use; hook a tensor of the module's own branch instead (x.view_as(x))"),
+        ("output", "the module's own parameters learned from the reversed gradient: reverse the gradient at the module's input "
+         "(a forward pre-hook), not at its output"),
+    ]
+    factors = [  # the right factors first: then only the place is wrong
+        ((-lams[0], -lams[1]), ""),
+        ((1.0, 1.0), "the gradient through the module came back unchanged: nothing was reversed"),
+        ((lams[0], lams[1]), "the gradient was multiplied by +strength(), not -strength()"),
+        ((-1.0, -1.0), "the gradient was multiplied by -1 whatever strength() returned"),
+        ((-registered, -registered), f"both steps used the strength at the time add_gradient_reversal was called ({registered}): "
+         "call strength() at each forward call"),
+        ((-late, -late), f"both steps used the strength at the time backward ran ({late}), not the one of the forward call that built "
+         "the graph: read strength() in the forward pass, and keep that value for its hook"),
+        ((-lams[1], -lams[1]), f"both steps used the strength of the last forward call ({lams[1]}): give each forward call's hook its "
+         "own strength"),
+        ((-lams[0] ** 2, -lams[1] ** 2), "the gradient was multiplied by -strength() squared: the reversal was applied twice"),
+        ((-lams[0], -lams[0]), f"both steps used the strength of the first forward call ({lams[0]}): read strength() at every forward call"),
+        ((-1 / lams[0], -1 / lams[1]), "the gradient was divided by strength(), not multiplied by it"),
+        ((0.0, 0.0), "the gradient from the module back into its input was zero: reverse it, do not stop it"),
+        ((-lams[0], 1.0), "only the first forward call's gradient was reversed: reverse it at every call"),
+        ((1 - lams[0], 1 - lams[1]), "the gradient was multiplied by 1 - strength(), not -strength()"),
+    ]
+    for scale, factor_fault in factors:
+        for place, place_fault in places:
+            if (place_fault or factor_fault) and not (place_fault and scale == (1.0, 1.0)) and \
+                    _same_grads(got, world.simulate(scale, place)):
+                return "; and ".join(fault for fault in (place_fault, factor_fault) if fault)
+    fitted = _fitted_factors(world, got)
+    if fitted is not None:
+        return (f"the gradient through the module was multiplied by {fitted[0]:.4g} in the step with strength() = {lams[0]} and by "
+                f"{fitted[1]:.4g} in the step with {lams[1]}; expected {-lams[0]:.4g} and {-lams[1]:.4g} (-strength())")
+    return ""
+
+
+def _fitted_factors(world: _Adversarial, got: dict) -> tuple[float, float] | None:
+    """The two factors by which the gradient through the module's branch was multiplied, when some pair explains every
+    gradient exactly (the gradients are linear in them), else None."""
+    if got["w"] is None:
+        return None
+    base = world.simulate((0.0, 0.0))
+    first, second = (world.simulate(f)["w"] - base["w"] for f in ((1.0, 0.0), (0.0, 1.0)))
+    basis = torch.stack([first.flatten(), second.flatten()], 1).double()
+    solution = torch.linalg.lstsq(basis, (got["w"] - base["w"]).flatten().double().unsqueeze(1)).solution.flatten()
+    factors = (solution[0].item(), solution[1].item())
+    return factors if all(math.isfinite(f) for f in factors) and _same_grads(got, world.simulate(factors)) else None
+
+
+@exercise("add_gradient_reversal")
+def check_add_gradient_reversal(fn) -> None:
+    hints = {
+        "cannot register a hook on a tensor that doesn't require gradient": "under torch.no_grad(), or for an input that needs no "
+        "gradient, there is nothing to reverse: leave such an input alone",
+    }
+    world = _Adversarial(41)
+    domain = world.domain
+    schedule = {"lam": 0.05}
+    what = "add_gradient_reversal(domain classifier, strength)"
+    before = _model_state(domain)
+    handle = call(fn, domain, lambda: schedule["lam"], shown="domain classifier, strength")
+    try:
+        _expect_model_unchanged(domain, before, what)
+        if handle is None:
+            raise ExerciseFailed(f"{what} returned None: return the handle that register_forward_pre_hook(...) gives you, "
+                                 "so that the caller can remove the hook")
+        if not isinstance(handle, RemovableHandle):
+            raise ExerciseFailed(f"{what} returned {a_type(handle)}: return the handle that module.register_forward_pre_hook(...) gives you")
+        _judge_reversal(world, schedule, hints)
+        handle.remove()
+        if _leaked_hooks(domain, _global_hooks()):
+            raise ExerciseFailed("after handle.remove(), hooks are still on the module: register one hook and return its handle")
+        if not _same_grads(world.run((0.3, 0.8)), world.simulate((1.0, 1.0))):
+            raise ExerciseFailed("after handle.remove(), the gradient is still changed: return the handle of the hook that reverses it")
+    finally:
+        _remove_hooks(domain, set())
+
+
+def _reversed_steps(world: _Adversarial, schedule: dict, hints: dict, lams: tuple[float, float], late: float) -> dict:
+    """Two forward passes through the learner's hooked module with strength() at lams, one backward after it moved to late;
+    the gradients. The forward pass must leave the output and the caller's features as they were."""
+    domain, total = world.domain, 0
+    for step, (data, lam) in enumerate(zip(world.data, lams), 1):
+        schedule["lam"] = lam
+        domain.rebuild()
+        h = data @ world.w
+        h_before = h.detach().clone()
+        shown = f"features of step {step}, strength() = {lam}"
+        out = call(domain, h, name="domain", shown=shown, hints=hints, kind="module")
+        _expect_tensor_unchanged(h_before, True, h, f"domain({shown})", "features")
+        expect_tensor(out, world.plain_output(h), what=f"the domain classifier's output with the reversal on (the forward pass must "
+                      "not change)", atol=1e-6)
+        total = total + world.loss(h, out)
+    schedule["lam"] = late
+    _backward(total, "the domain classifier with the reversal on")
+    return world.grads()
+
+
+def _judge_reversal(world: _Adversarial, schedule: dict, hints: dict) -> None:
+    """Two forward passes with strength() at 0.3 and then 0.8, one backward after it moved to 1.7; the same from strength 0,
+    where DANN's schedule starts; then evaluation calls."""
+    domain, lams, late = world.domain, (0.3, 0.8), 1.7
+    got = _reversed_steps(world, schedule, hints, lams, late)
+    if not _same_grads(got, world.simulate((-lams[0], -lams[1]))):
+        fault = _reversal_fault(world, got, lams, registered=0.05, late=late)
+        if fault:
+            raise ExerciseFailed(f"after two steps with strength() = {lams[0]}, then {lams[1]}: {fault}")
+        expected = world.simulate((-lams[0], -lams[1]))
+        wrong = next(n for n in got if not _same_grads({n: got[n]}, {n: expected[n]}))
+        if got[wrong] is None:
+            raise ExerciseFailed(f"after two steps with the reversal on, {wrong}.grad is None: the gradient no longer reaches it")
+        expect_tensor(got[wrong], expected[wrong], what=f"the gradient of {wrong} after two steps with strength() = {lams[0]}, "
+                      f"then {lams[1]}", rtol=1e-4, atol=1e-7)
+    start = (0.0, 0.5)  # -0 * grad is 0: at the schedule's start no gradient flows back from the module
+    got = _reversed_steps(world, schedule, hints, start, late)
+    expected = world.simulate((-start[0], -start[1]))
+    if not _same_grads(got, expected):
+        if _same_grads(got, world.simulate((1.0, -start[1]))):
+            raise ExerciseFailed(f"after two steps with strength() = {start[0]}, then {start[1]}: at strength() = 0 the gradient came back "
+                                 "unchanged; multiply it by -strength() at every strength, 0 included (then no gradient flows back from "
+                                 "the module)")
+        wrong = next(n for n in got if not _same_grads({n: got[n]}, {n: expected[n]}))
+        if got[wrong] is None:
+            raise ExerciseFailed(f"after two steps with strength() = {start[0]}, then {start[1]}, {wrong}.grad is None: the gradient no "
+                                 "longer reaches it")
+        expect_tensor(got[wrong], expected[wrong], what=f"the gradient of {wrong} after two steps with strength() = {start[0]}, "
+                      f"then {start[1]}", rtol=1e-4, atol=1e-7)
+    for label, grad_mode, h in (("under torch.no_grad()", False, world.data[0] @ world.w),
+                                ("on features that need no gradient", True, world.data[1] @ world.w.detach())):
+        domain.rebuild()
+        h_before, needs_grad = h.detach().clone(), h.requires_grad
+        with torch.set_grad_enabled(grad_mode):
+            out = call(domain, h, name="domain", shown=f"features, {label}", hints=hints, kind="module")
+        _expect_tensor_unchanged(h_before, needs_grad, h, f"domain(features, {label})", "features")
+        expect_tensor(out, world.plain_output(h), what=f"the domain classifier's output {label}", atol=1e-6)
 
 
 # first_nonfinite
@@ -502,7 +986,7 @@ class _Overflow(nn.Module):
         return x, (x.tanh(), x * 1e38)
 
 
-class _Ordered(nn.Module):
+class _Ordered(_Counted):
     """Modules defined in the opposite order to the one they run in; exp overflows to inf, LayerNorm turns inf into NaN,
     and the model hides the NaN from its caller with nan_to_num."""
 
@@ -516,13 +1000,14 @@ class _Ordered(nn.Module):
         self.trip = trip
 
     def forward(self, x):
+        self.runs += 1
         h = self.block(self.embed(x))
         if self.trip:
             raise ModelError("the hidden model failed on purpose")
         return self.out(self.head(self.norm(h))).nan_to_num()
 
 
-class _Recurrent(nn.Module):
+class _Recurrent(_Counted):
     """An LSTM (whose output is a nested tuple) and a module whose second output can hold inf."""
 
     def __init__(self):
@@ -532,12 +1017,13 @@ class _Recurrent(nn.Module):
         self.head = nn.Linear(6, 2)
 
     def forward(self, x):
+        self.runs += 1
         out, _ = self.lstm(x)
         h, (squashed, _) = self.split(out[:, -1] * 10)
         return self.head(h + squashed)
 
 
-class _Softmax(nn.Module):
+class _Softmax(_Counted):
     """Its children give finite logits; its own forward takes a softmax by hand, exp / sum, which overflows to inf / inf = NaN."""
 
     def __init__(self):
@@ -546,38 +1032,93 @@ class _Softmax(nn.Module):
         self.out = nn.Linear(16, 4)
 
     def forward(self, x):
+        self.runs += 1
         e = self.out(self.hidden(x)).exp()
         return e / e.sum(-1, keepdim=True)
+
+
+class _LogBlock(nn.Module):
+    """A module with a child whose own forward takes a log: the child's output is finite, its negative values' log is NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.inner(x).log()
+
+
+class _Nested(_Counted):
+    """The NaN starts in a container's own forward ('block'), and every later module's output holds it too."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(3, 4)
+        self.block = _LogBlock()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        self.runs += 1
+        return self.head(self.block(self.stem(x)))
+
+
+class _Log(nn.Module):
+    def forward(self, x):
+        return x.log()
+
+
+class _LogModel(_Counted):
+    """log of a ReLU's output: log(0) is -inf, and only -inf, until the next layer mixes it into inf and NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(4, 6)
+        self.relu = nn.ReLU()
+        self.log = _Log()
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        self.runs += 1
+        return self.head(self.log(self.relu(self.stem(x))))
 
 
 def _nonfinite_cases() -> list[tuple[str, Callable[[], nn.Module], torch.Tensor]]:
     g = torch.Generator().manual_seed(21)
     small, large = torch.randn(4, 5, generator=g) * 0.1, torch.randn(4, 5, generator=g) * 300
 
-    def build(cls, seed):
+    def build(cls, seed, stale=False):
         def make():
             torch.manual_seed(seed)
-            return cls()
+            model = cls()
+            if stale:  # a gradient left from a training step: it must stay as it is
+                model.head.weight.grad = torch.full_like(model.head.weight, 0.5)
+            return model
         return make
 
     sequence = torch.randn(2, 3, 4, generator=g)
+    bad_batch = small.clone()
+    bad_batch[1, 2] = math.inf
     return [
         ("a model with finite outputs everywhere", build(_Ordered, 5), small),
-        ("a model whose exp overflows", build(_Ordered, 5), large),
+        ("a model whose exp overflows", build(_Ordered, 5, stale=True), large),
+        ("a model given a batch that holds an inf", build(_Ordered, 5), bad_batch),
+        ("a model that calls one layer twice", build(_Reused, 10), torch.randn(4, 3, generator=torch.Generator().manual_seed(25))),
         ("an LSTM model", build(_Recurrent, 6), sequence * 0.01),
         ("an LSTM model", build(_Recurrent, 6), sequence * 40),
         ("a model that takes a softmax by hand", build(_Softmax, 7), torch.randn(3, 3, generator=g) * 400),
+        ("a model whose block takes a log", build(_Nested, 8), torch.randn(3, 3, generator=g)),
+        ("a model that takes the log of a ReLU", build(_LogModel, 9), torch.randn(5, 4, generator=g)),
     ]
 
 
-def _outputs_in_run_order(model: nn.Module, x: torch.Tensor) -> list[tuple[str, bool, bool]]:
-    """(name, holds NaN, holds inf, is a tuple) for every module output, in the order the forward hooks ran."""
+def _outputs_in_run_order(model: nn.Module, x: torch.Tensor) -> list[tuple[str, bool, bool, bool, bool]]:
+    """(name, holds NaN, holds inf, is a tuple, non-finite everywhere) for every module output, in the order the forward hooks ran."""
     seen = []
 
     def hook(module, args, output, name):
         tensors = [t for t in tensors_in(output) if t.is_floating_point()]
         seen.append((name, any(t.isnan().any().item() for t in tensors), any(t.isinf().any().item() for t in tensors),
-                     isinstance(output, tuple)))
+                     isinstance(output, tuple), bool(tensors) and all((~t.isfinite()).all().item() for t in tensors)))
 
     handles = [m.register_forward_hook(functools.partial(hook, name=n)) for n, m in model.named_modules()]
     try:
@@ -589,58 +1130,218 @@ def _outputs_in_run_order(model: nn.Module, x: torch.Tensor) -> list[tuple[str, 
     return seen
 
 
+class _Emit(nn.Module):
+    """Adds a fixed pattern to its input: where the pattern holds inf or NaN, so does the output."""
+
+    def __init__(self, pattern: list[float]):
+        super().__init__()
+        self.register_buffer("pattern", torch.tensor(pattern))
+
+    def forward(self, x):
+        return x + self.pattern
+
+
+class _Reused(_Counted):
+    """One Linear layer called twice, before and after a module that adds a partial inf: its first output is finite, its second is not."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(3, 3)
+        self.boom = _Emit([0.0, math.inf, 0.0])
+
+    def forward(self, x):
+        self.runs += 1
+        return self.shared(self.boom(self.shared(x)))
+
+
+class _Container(nn.Module):
+    """A module with a child whose own forward adds a partial inf after the child has run."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.inner(x) + torch.tensor([0.0, math.inf, 0.0])
+
+
+class _SplitEmit(nn.Module):
+    """Returns (x, (tanh(x), x plus a partial inf)): the inf sits inside a nested tuple, and nothing downstream uses it."""
+
+    def forward(self, x):
+        return x, (x.tanh(), x + torch.tensor([0.0, math.inf, 0.0]))
+
+
+class _TupleProbe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.split = _SplitEmit()
+
+    def forward(self, x):
+        h, (t, _) = self.split(self.lin(x))
+        return h + t
+
+
+class _RootProbe(nn.Module):
+    """Its own forward adds a partial inf to its child's finite output."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x) + torch.tensor([0.0, math.inf, 0.0])
+
+
+def _probes() -> dict[str, tuple[nn.Module, str]]:
+    """Small models, each with one kind of culprit, and the culprit's name."""
+    torch.manual_seed(23)
+    inf, nan = math.inf, math.nan
+    infinite_bias = nn.Linear(3, 3)
+    with torch.no_grad():
+        infinite_bias.bias[1] = inf
+    return {
+        "partial inf": (nn.Sequential(nn.Linear(3, 3), _Emit([0.0, inf, 0.0]), nn.Tanh()), "1"),
+        "partial inf, two layers before the end": (nn.Sequential(nn.Linear(3, 3), _Emit([0.0, inf, 0.0]), nn.Linear(3, 3), nn.Tanh()), "1"),
+        "large finite values": (nn.Sequential(nn.Linear(3, 3), _Emit([3e38, 3e38, 0.0]), nn.Tanh()), None),  # finite; their sum is inf
+        "partial -inf": (nn.Sequential(nn.Linear(3, 3), _Emit([0.0, -inf, 0.0]), nn.Tanh()), "1"),
+        "partial NaN": (nn.Sequential(nn.Linear(3, 3), _Emit([0.0, nan, 0.0]), nn.Linear(3, 3)), "1"),
+        "inf everywhere": (nn.Sequential(nn.Linear(3, 3), _Emit([inf, inf, inf]), nn.Tanh()), "1"),
+        "a layer with parameters": (nn.Sequential(nn.Linear(3, 3), infinite_bias, nn.Tanh()), "1"),
+        "a container's own forward": (nn.Sequential(nn.Linear(3, 3), _Container(), nn.Tanh()), "1"),
+        "a container, then a leaf": (nn.Sequential(nn.Linear(3, 3), _Container(), nn.Linear(3, 3)), "1"),
+        "a nested tuple": (_TupleProbe(), "split"),
+        "the model itself": (_RootProbe(), ""),
+    }
+
+
+# The usual mistakes, each as the answers it gives on the probes (a: the learner's answers, ok(k): right on probe k); the first
+# that fits names the fault. Each fits only answers that no other rule, and no right answer, gives.
+NONFINITE_RULES = [
+    (lambda a, ok: ok("partial NaN") and all(a[k] is None for k in ("partial inf", "partial -inf", "inf everywhere",
+                                                                   "a layer with parameters")),
+     "it tests for NaN only and misses inf: test with torch.isfinite, which catches NaN, inf and -inf"),
+    (lambda a, ok: a["large finite values"] == "1" and ok("partial inf") and ok("partial NaN"),
+     "it flags an output whose elements are all finite but whose sum overflows to inf: test the elements, t.isfinite().all(), "
+     "not their sum"),
+    (lambda a, ok: a["partial -inf"] is None and ok("partial inf") and ok("partial NaN"),
+     "it misses -inf: test with torch.isfinite, which catches NaN, inf and -inf"),
+    (lambda a, ok: a["partial NaN"] is None and ok("partial inf") and ok("partial -inf"),
+     "it misses NaN: test with torch.isfinite, which catches NaN, inf and -inf"),
+    (lambda a, ok: a["partial inf"] is None and a["partial NaN"] == "2" and ok("inf everywhere"),
+     "it flags an output only when every element is non-finite: flag it when any element is (not t.isfinite().all())"),
+    (lambda a, ok: all(a[k] == "2" for k in ("partial inf", "partial NaN", "inf everywhere", "partial inf, two layers before the end")),
+     "it names the module after the culprit, whose input holds the non-finite value: test each module's output"),
+    (lambda a, ok: ok("a layer with parameters") and a["partial inf"] is None and a["inf everywhere"] is None and a["partial NaN"] == "2",
+     "it skips the modules without parameters of their own: every module counts"),
+    (lambda a, ok: a["a container's own forward"] is None and a["the model itself"] is None and ok("partial inf"),
+     "it skips the modules that have children: hook every module, containers and the model itself too"),
+    (lambda a, ok: a["a container's own forward"] is None and ok("the model itself") and ok("partial inf"),
+     "it skips the modules that have children: hook every module, containers too"),
+    (lambda a, ok: a["the model itself"] is None and ok("a container's own forward") and ok("partial inf"),
+     "it skips the model itself: named_modules() lists it too, with the name ''"),
+    (lambda a, ok: a["a container, then a leaf"] == "2" and ok("a container's own forward") and ok("partial inf"),
+     "it prefers a leaf module to the container whose own forward made the value: every module counts, the first to finish wins"),
+    (lambda a, ok: a["a nested tuple"] is None and ok("partial inf") and ok("the model itself"),
+     "it misses non-finite values inside a tuple output: look at every tensor of an output, nested tuples included "
+     "(an LSTM returns output, (h, c))"),
+]
+
+
+def _nonfinite_fault(fn: Callable, root_hooked: bool = False) -> str:
+    """Run the learner's function on the probes; name the usual mistake whose answers its answers fit, else ''. `root_hooked`:
+    the learner's function put a hook on the model itself (seen on the check's own model)."""
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(24))
+    global_before, answers, culprits, lasts = _global_hooks(), {}, {}, {}
+    try:
+        for label, (model, culprit) in _probes().items():
+            culprits[label], lasts[label] = culprit, list(model.named_modules())[-1][0]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                answers[label] = fn(model, x)
+    except Exception:  # noqa: BLE001 -- no diagnosis then; the plain expected/got stands
+        return ""
+    finally:
+        for d, key in _global_hooks() - global_before:
+            getattr(module_globals, d).pop(key, None)
+    root = "the model itself"
+    if root_hooked and answers[root] is None and all(answers[k] == culprits[k] for k in culprits if k != root):
+        return ("a hook of yours was on the model itself, and every other culprit was found, but not '': the name of the model itself "
+                "is a false value, so `name or None` or `if not name:` turns it into None; test `is None`")
+    if answers != culprits and all(answers[k] == lasts[k] for k in culprits if culprits[k] is not None):
+        return ("on every model it answered the name of the last module in named_modules(), whatever the culprit: each hook read the "
+                "loop variable when it ran, and saw its last value; bind the name when you define each hook (name=name, or "
+                "functools.partial)")
+    return next((fault for fits, fault in NONFINITE_RULES if fits(answers, lambda k: answers[k] == culprits[k])), "")
+
+
 @exercise("first_nonfinite")
 def check_first_nonfinite(fn) -> None:
-    hints = {"'tuple' object has no attribute": "a module's output can be a tuple, even a nested one (an LSTM returns output, (h, c))"}
+    hints = {"'tuple' object has no attribute": "a module's output can be a tuple, even a nested one (an LSTM returns output, (h, c))",
+             "not tuple": "a module's output can be a tuple, even a nested one (an LSTM returns output, (h, c))"}
     for label, make, x in _nonfinite_cases():
         model = make()
         order = [name for name, _ in model.named_modules()]
         run = _outputs_in_run_order(model, x)
-        expected = next((n for n, nan, inf, _ in run if nan or inf), None)
-        x_before, global_before = x.clone(), _global_hooks()
+        expected = next((n for n, nan, inf, _, _ in run if nan or inf), None)
+        root_hooks: list[int] = []
+        x_before, global_before, state, kept = x.clone(), _global_hooks(), _model_state(model), _callers_hook(model, root_hooks)
         shown = f"{label}, tensor of shape {tuple(x.shape)}"
         what = f"first_nonfinite({shown})"
+        model.recount()
         got = call(fn, model, x, shown=shown, hints=hints)
-        _expect_no_hooks(model, global_before, what)
-        expect_unchanged(x_before, x, what="first_nonfinite")
-        _expect_same_mode(model, True, what)
-        if any(p.grad is not None for p in model.parameters()):
+        _expect_no_hooks(model, global_before, what, kept=kept)
+        _expect_one_run(model, what, x)
+        _expect_tensor_unchanged(x_before, False, x, what, "x")
+        if any(p.grad is not None and state["grads"][n] is None for n, p in model.named_parameters()):
             raise ExerciseFailed(f"{what} filled the parameters' .grad: finding a non-finite output needs the forward pass only")
+        _expect_model_unchanged(model, state, what, probe=False)
         if isinstance(got, nn.Module):
             raise ExerciseFailed(f"{what} returned the module itself ({type(got).__name__}): return its name, as in model.named_modules()")
         if got is not None and not isinstance(got, str):
             raise ExerciseFailed(f"{what} returned {a_type(got)}, expected a module's name (a str) or None")
         if got == expected:
             continue
-        flagged = [n for n, nan, inf, _ in run if nan or inf]
+        flagged = [n for n, nan, inf, _, _ in run if nan or inf]
         name = repr(expected) if expected else "'' (the model itself)"
         if expected is None:
-            raise ExerciseFailed(f"{what} returned {got!r}, expected None: every module's output is finite")
-        if got is None and expected == "":
-            raise ExerciseFailed(
-                f"{what} returned None, but the model's own forward turned its sub-modules' finite outputs into a non-finite one: "
-                "hook the model itself too (named_modules() lists it, with the name '')"
-            )
-        if got is None and next(is_tuple for n, _, _, is_tuple in run if n == expected):
-            raise ExerciseFailed(
-                f"{what} returned None, but {name} returned a tuple that holds inf: look at every tensor in a module's output, "
-                "nested tuples included"
-            )
-        first_nan = next((n for n, nan, _, _ in run if nan), None)
-        if got == first_nan and first_nan != expected:
-            raise ExerciseFailed(f"{what} returned {got!r}, where the first NaN appears; {name} produced an inf before it: test for inf too (torch.isfinite)")
+            fault = _nonfinite_fault(fn)
+            raise ExerciseFailed(f"{what} returned {got!r}, expected None: every module's output is finite" + (f"; {fault}" if fault else ""))
         if isinstance(got, str) and got in flagged and (got == "" or expected.startswith(got + ".")):
             raise ExerciseFailed(
                 f"{what} returned {got!r}, but its sub-module {name} produced the non-finite value first: "
                 "a sub-module finishes, and its forward hook runs, before its parent's"
             )
-        if got in flagged and got == min(flagged, key=order.index):
+        fault = _nonfinite_fault(fn, root_hooked=any(root_hooks))
+        if fault:
+            raise ExerciseFailed(f"{what} returned {got!r}, expected {name}: {fault}")
+        calls = [(n, nan or inf) for n, nan, inf, _, _ in run if n == got]
+        if len(calls) > 1 and not calls[0][1] and any(bad for _, bad in calls):
+            raise ExerciseFailed(f"{what} returned {got!r}, which runs {len(calls)} times: its first output was finite, and {name} "
+                                 f"finished with a non-finite output before {got!r} made one; judge each output as it finishes, call by call")
+        if got is None and not x.isfinite().all():
+            raise ExerciseFailed(f"{what} returned None, expected {name}: x itself holds a non-finite value, and {name}, the first "
+                                 "module to finish, passed it on in its output; a non-finite input counts too")
+        if got in flagged and got == min(flagged, key=order.index) and got != flagged[0]:
             raise ExerciseFailed(
                 f"{what} returned {got!r}, the first non-finite output in named_modules() order; {name} was the first to produce one "
                 "in the forward pass: record the order in which the hooks run"
             )
         if got in flagged and got == flagged[-1]:
             raise ExerciseFailed(f"{what} returned {got!r}, the last module with a non-finite output; expected the first, {name}")
+        modules, ran = dict(model.named_modules()), [n for n, *_ in run]
+        if isinstance(got, str) and got == type(modules[expected]).__name__:
+            raise ExerciseFailed(f"{what} returned {got!r}, the class of the culprit: return its name as named_modules() spells it, {name}")
+        if isinstance(got, str) and got.endswith("." + expected) and got not in modules:
+            raise ExerciseFailed(f"{what} returned {got!r}, a name with a prefix; named_modules() without one spells it {name}")
+        if got in ran and ran.index(got) == ran.index(expected) - 1:
+            raise ExerciseFailed(f"{what} returned {got!r}, the module that finished just before {name}, which produced the first "
+                                 "non-finite output")
+        if got is None and expected == "":
+            raise ExerciseFailed(f"{what} returned None; the model's own forward made a non-finite output from its sub-modules' finite ones")
+        if got is None and next(is_tuple for n, _, _, is_tuple, _ in run if n == expected):
+            raise ExerciseFailed(f"{what} returned None; {name} returned a tuple that holds inf")
         raise ExerciseFailed(f"{what} returned {got!r}, expected {name}")
 
     tripped = _Ordered(trip=True)
@@ -650,17 +1351,66 @@ def check_first_nonfinite(fn) -> None:
 
 # memory_by_phase
 
-class _Phases:
-    """Hidden phases that share state, count their calls and record their order; each returns None."""
+@contextlib.contextmanager
+def _watching_profilers(log: "_Phases") -> Iterator[None]:
+    """Meanwhile, note in `log`: the profile_memory flag of every profiler started (torch.profiler.profile and
+    torch.autograd.profiler.profile both start through torch.autograd.profiler.profile._start_trace); the record_function
+    regions open at each moment and every one opened (torch.profiler.record_function is the same class); and whether a
+    profile's events were read (key_averages(), events()) while a profiler was still running."""
+    rf, autograd_profile = torch.autograd.profiler.record_function, torch.autograd.profiler.profile
+    start_trace, ensure_events, enter, leave = (autograd_profile._start_trace, autograd_profile._ensure_function_events,
+                                                rf.__enter__, rf.__exit__)
 
-    def __init__(self, steps: dict[str, Callable[[dict], None]]):
+    def start(self):
+        log.started.append(bool(self.profile_memory))
+        return start_trace(self)
+
+    def read(self):
+        log.early_reads.append(_profiler_running())
+        return ensure_events(self)
+
+    def open_region(self):
+        log.open_regions.append(str(self.name))
+        log.opened_regions.append(str(self.name))
+        return enter(self)
+
+    def close_region(self, *exc):
+        regions = log.open_regions
+        if str(self.name) in regions:
+            del regions[len(regions) - 1 - regions[::-1].index(str(self.name))]
+        return leave(self, *exc)
+
+    autograd_profile._start_trace, autograd_profile._ensure_function_events = start, read
+    rf.__enter__, rf.__exit__ = open_region, close_region
+    try:
+        yield
+    finally:
+        autograd_profile._start_trace, autograd_profile._ensure_function_events = start_trace, ensure_events
+        rf.__enter__, rf.__exit__ = enter, leave
+
+
+class _Phases:
+    """Hidden phases that share state, count their calls and record their order; each returns None. Each call also notes
+    whether a profiler was running, and whether the last one started was told to record memory (None: none started)."""
+
+    def __init__(self, steps: dict[str, Callable[[dict], None]], started: list[bool] | None = None):
         self.state: dict[str, Any] = {}
         self.order: list[str] = []
+        self.profiling: list[bool] = []
+        self.memory: list[bool | None] = []
+        self.started = started if started is not None else []  # filled by _watching_profilers
+        self.open_regions: list[str] = []  # likewise
+        self.opened_regions: list[str] = []  # likewise
+        self.early_reads: list[bool] = []  # likewise: per read of a profile's events, whether a profiler was running
+        self.inside: list[tuple[str, ...]] = []  # the regions open at each call
         self.steps = steps
 
     def phases(self) -> dict[str, Callable[[], None]]:
         def phase(name: str) -> None:
             self.order.append(name)
+            self.profiling.append(_profiler_running())
+            self.memory.append(self.started[-1] if self.started else None)
+            self.inside.append(tuple(self.open_regions))
             self.steps[name](self.state)
         return {name: functools.partial(phase, name) for name in self.steps}
 
@@ -743,6 +1493,62 @@ def _profiled(phases: dict[str, Callable[[], None]]) -> tuple[dict[str, int], di
     return ({name: regions[name].cpu_memory_usage for name in phases}, {name: regions[name].self_cpu_memory_usage for name in phases})
 
 
+def _memory_mix_ups(steps: Callable[[], dict], names: list[str], expected: dict[str, int]) -> dict[str, dict[str, int]]:
+    """What the usual wrong readings of a profile give for fresh copies of the phases: {description: {phase: bytes}}."""
+    quiet_profiler()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for name, phase in _Phases(steps()).phases().items():
+            with record_function(f"phase {name}"):
+                phase()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    peaks, allocations, frees = {}, {}, {}
+    for name in names:
+        region = next(e for e in events if e.get("name") == f"phase {name}" and e.get("ph") == "X")
+        changes = [e["args"]["Bytes"] for e in memory if region["ts"] <= e["ts"] <= region["ts"] + region["dur"]]
+        peaks[name] = max(itertools.accumulate(changes), default=0)
+        allocations[name] = sum(c for c in changes if c > 0)
+        frees[name] = sum(c for c in changes if c < 0)
+    every_row, operators, aten_rows = {}, {}, {}
+    for name, phase in _Phases(steps()).phases().items():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as one:
+            phase()
+        rows = one.key_averages()
+        every_row[name] = sum(event.cpu_memory_usage for event in rows)
+        operators[name] = sum(event.self_cpu_memory_usage for event in rows if event.key != "[memory]")
+        aten_rows[name] = sum(event.cpu_memory_usage for event in rows if event.key.startswith("aten::"))
+    return {
+        "each phase's peak (the most it held at once) instead of what it left allocated when it ended": peaks,
+        "each phase's peak (the most it held at once) instead of what it left allocated when it ended ": {n: max(0, v) for n, v in peaks.items()},
+        "only the allocations: a free counts too, as negative bytes": allocations,
+        "only the frees: each phase's allocations count too": frees,
+        "the same number for every phase, the whole run's total: give each phase a region of its own (record_function(name)) and "
+        "read that region's row": {n: sum(expected.values()) for n in names},
+        "each region's count of calls, not its memory: read the region's cpu_memory_usage": {n: 1 for n in names},
+        "a running total: each number includes the phases before it; give each phase its own allocations minus frees":
+            dict(zip(names, itertools.accumulate(expected[n] for n in names))),
+        "for each phase, the sum of every row's cpu_memory_usage, which counts an operator's allocations again in each operator "
+        "that called it: read one region's cpu_memory_usage, or sum the self column": every_row,
+        "for each phase, the sum of the aten:: rows' cpu_memory_usage, which counts an operator's allocations again in each "
+        "operator that called it (aten::ones calls aten::empty): read one region's cpu_memory_usage, or sum the self column": aten_rows,
+        "the operators' own allocations only: a free that happens outside every operator (a tensor's last reference dropped) "
+        "has a row of its own, '[memory]', which counts too": operators,
+        "negative numbers clipped to 0: a phase that frees more than it allocates leaves a negative number": {n: max(0, v) for n, v in expected.items()},
+        "each change without its sign: a phase that frees more than it allocates leaves a negative number": {n: abs(v) for n, v in expected.items()},
+        "each change with the opposite sign: allocations minus frees is positive for a phase that allocates": {n: -v for n, v in expected.items()},
+        "KiB: return the bytes themselves": {n: v // 1024 for n, v in expected.items()},
+        "KiB: return the bytes themselves ": {n: round(v / 1024) for n, v in expected.items()},
+        "MiB: return the bytes themselves": {n: round(v / 2**20) for n, v in expected.items()},
+    }
+
+
+EARLY_READ = ("read a profile's events (key_averages(), events()) while the profiler was still running, inside its `with` block: "
+              "they are complete only once it has stopped; read them after the block")
+
+
 @exercise("memory_by_phase")
 def check_memory_by_phase(fn) -> None:
     quiet_profiler()
@@ -753,25 +1559,47 @@ def check_memory_by_phase(fn) -> None:
         hidden = _Phases(steps())
         names = list(hidden.steps)
         what = f"memory_by_phase({label}: {names})"
+        phases = hidden.phases()
+        given = dict(phases)
         try:
-            got = call(fn, hidden.phases(), shown=f"{label}: {names}")
+            with _watching_profilers(hidden):
+                try:
+                    got = call(fn, phases, shown=f"{label}: {names}", hints={
+                        "element 0 of tensors does not require grad": "a phase's backward found no graph: the phases ran with "
+                                                                      "gradients off (torch.no_grad() or inference_mode); run them as they are"})
+                except ExerciseFailed as err:
+                    if any(hidden.early_reads):
+                        raise ExerciseFailed(f"{err.message}; it {EARLY_READ}") from None
+                    raise
         finally:
             left_on = _profiler_running()
             if left_on:
                 _stop_profiler()
         if left_on:
             raise ExerciseFailed(f"{what} left the profiler running: use `with profile(...) as prof:`, or call prof.stop()")
+        if list(phases) != names or any(phases[n] is not given[n] for n in names):
+            raise ExerciseFailed(f"{what} changed the caller's dict of phases: read it, do not change it")
         counts = {n: hidden.order.count(n) for n in names}
         if any(count != 1 for count in counts.values()):
             wrong = next(n for n in names if counts[n] != 1)
             raise ExerciseFailed(f"{what} ran the phase {wrong!r} {counts[wrong]} times; run each phase exactly once: a phase changes the state the next one works on")
         if hidden.order != names:
             raise ExerciseFailed(f"{what} ran the phases in the order {hidden.order}, expected the dict's order, {names}")
+        outside = [n for n, on in zip(hidden.order, hidden.profiling) if not on]
+        if outside == names:
+            raise ExerciseFailed(f"{what} ran the phases with no profiler running: measure them with torch.profiler.profile("
+                                 "activities=[ProfilerActivity.CPU], profile_memory=True)")
+        if outside:
+            raise ExerciseFailed(f"{what} ran the phase{'s' if len(outside) > 1 else ''} {outside} with no profiler running")
         got = _expect_dict(got, what, "bytes")
         if set(got) != set(names):
             extra = sorted(set(got) - set(names), key=str)
             if extra and set(names) <= set(got):
                 raise ExerciseFailed(f"{what} returned {len(got)} keys, {extra[:3]} among them; expected only the phases' names, {names}")
+            missing = [n for n in names if n not in got]
+            if not extra and all(expected[n] == 0 for n in missing):
+                raise ExerciseFailed(f"{what} has no entry for {missing}, the phase{'s' if len(missing) > 1 else ''} that left 0 bytes: "
+                                     "return every phase, 0 included")
             raise ExerciseFailed(f"{what} returned the keys {sorted(got, key=str)[:8]}, expected the phases' names, {names}")
         for name in names:
             value = got[name]
@@ -786,8 +1614,20 @@ def check_memory_by_phase(fn) -> None:
                 raise ExerciseFailed(f"{what} returned floats, expected Python ints (bytes)")
         if got == expected:
             continue
-        if any(expected.values()) and not any(got.values()):
-            raise ExerciseFailed(f"{what} returned 0 for every phase, expected {expected}; the profiler records memory only when created with profile_memory=True")
+        if any(hidden.early_reads):
+            raise ExerciseFailed(f"{what} {EARLY_READ}")
+        if hidden.opened_regions:
+            outside = [n for n, inside in zip(hidden.order, hidden.inside) if not inside]
+            if outside:
+                raise ExerciseFailed(f"{what} ran the phase{'s' if len(outside) > 1 else ''} {outside} while no record_function region was "
+                                     "open: call each phase inside its own `with record_function(name):` block")
+            elsewhere = [(n, inside[-1]) for n, inside in zip(hidden.order, hidden.inside) if inside[-1] != n and inside[-1] in names]
+            if elsewhere:
+                n, region = elsewhere[0]
+                raise ExerciseFailed(f"{what} ran the phase {n!r} inside the region {region!r}: give each phase its own region, named after it")
+        if any(expected.values()) and not any(got.values()) and all(m is False for m in hidden.memory):
+            raise ExerciseFailed(f"{what} returned 0 for every phase: the profiler ran without profile_memory=True, so it recorded "
+                                 "no allocations")
         if got == self_only and self_only != expected:
             raise ExerciseFailed(
                 f"{what} returned each region's *self* memory, which leaves out the operators the phase ran: "
@@ -796,6 +1636,10 @@ def check_memory_by_phase(fn) -> None:
         cumulative = {n: sum(expected[m] for m in names[i:]) for i, n in enumerate(names)}
         if got == cumulative:
             raise ExerciseFailed(f"{what}: each phase's number includes the phases after it: close each phase's region before the next phase starts")
+        mix_up = next((text.strip() for text, values in _memory_mix_ups(steps, names, expected).items()
+                       if values != expected and any(values.values()) and got == values), None)
+        if mix_up:
+            raise ExerciseFailed(f"{what} returned {mix_up}")
         wrong = next(n for n in names if got[n] != expected[n])
         raise ExerciseFailed(f"{what}[{wrong!r}] is {got[wrong]!r} bytes, expected {expected[wrong]:,} (allocated minus freed during that phase)")
 
@@ -821,14 +1665,89 @@ def _plain(blocks: nn.ModuleList, x: torch.Tensor) -> tuple[torch.Tensor, list[i
     return x, sizes
 
 
-def _segment_starts(got_bytes: int, sizes: list[int]) -> list[int] | None:
-    """Which block inputs add up to got_bytes, when exactly one set of them does (the sizes differ by design)."""
-    found = [starts for n in range(1, len(sizes) + 1) for starts in _subsets(len(sizes), n) if sum(sizes[i] for i in starts) == got_bytes]
-    return found[0] if len(found) == 1 else None
+CHECKPOINT_FILE = os.path.realpath(torch.utils.checkpoint.__file__)
 
 
-def _subsets(n: int, k: int):
-    return (list(c) for c in itertools.combinations(range(n), k))
+def _checkpoint_variant(frame: Any) -> str:
+    """Which checkpoint the calling frames are inside: 'reentrant', 'non-reentrant', 'nested' (a checkpoint inside another)
+    or '' (none); 'sequential' marks checkpoint_sequential's own frames, which run its last segment without a checkpoint."""
+    names = []
+    while frame is not None:
+        if os.path.realpath(frame.f_code.co_filename) == CHECKPOINT_FILE:
+            names.append(frame.f_code.co_qualname)
+        frame = frame.f_back
+    if "CheckpointFunction.forward" in names or "CheckpointFunction.backward" in names:
+        return "reentrant"
+    if names.count("_checkpoint_impl") > 1:
+        return "nested"
+    if "_checkpoint_impl" in names or "checkpoint" in names:
+        return "non-reentrant"
+    return "sequential" if "checkpoint_sequential" in names else ""
+
+
+class _BlockWatch:
+    """Forward pre-hooks on each block that note, call by call: the block's index, whether gradients were on, which checkpoint
+    variant it ran inside, and whether its input required grad; split into the learner's forward pass and the backward."""
+
+    def __init__(self, blocks: nn.ModuleList):
+        self.calls: list[tuple[int, bool, str, bool]] = []
+        self.leaf_inputs: list[bool] = []  # per call: the input requires grad but has no grad_fn (a new leaf, cut from the graph)
+        self.forward_calls = 0  # how many of self.calls belong to the learner's forward pass
+        self.handles = [b.register_forward_pre_hook(functools.partial(self._note, i)) for i, b in enumerate(blocks)]
+
+    def _note(self, i: int, module: nn.Module, args: tuple) -> None:
+        x = args[0] if args else None
+        self.leaf_inputs.append(isinstance(x, torch.Tensor) and x.requires_grad and x.grad_fn is None)
+        self.calls.append((i, torch.is_grad_enabled(), _checkpoint_variant(sys._getframe(1)),
+                           isinstance(x, torch.Tensor) and x.requires_grad))
+
+    def end_forward(self) -> None:
+        self.forward_calls = len(self.calls)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def forward_order(self) -> list[int]:
+        return [i for i, *_ in self.calls[:self.forward_calls]]
+
+    def recomputed_segments(self) -> list[list[int]]:
+        """The runs of blocks that the backward pass recomputed together, in forward order: each is one checkpoint's blocks."""
+        runs: list[list[int]] = []
+        for i, *_ in self.calls[self.forward_calls:]:
+            if runs and i == runs[-1][-1] + 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return sorted(runs)
+
+
+def _blocks_text(indices: list[int]) -> str:
+    return f"block {indices[0]}" if len(indices) == 1 else f"blocks {indices}"
+
+
+def _order_fault(order: list[int], n: int, finished: bool = True) -> str:
+    """What is wrong with the order in which the learner's forward pass ran the blocks, or ''. When the pass raised
+    (finished=False), only what happened before the error counts."""
+    if order == list(range(n)) or (not finished and order == list(range(len(order)))):
+        return ""
+    if order and order[0] != 0:
+        return f"ran {_blocks_text(order[:1])} first (the order was {order}): start with block 0 and follow the ModuleList's order"
+    repeated = sorted({i for i in order if order.count(i) > 1})
+    if repeated:
+        return f"ran {_blocks_text(repeated)} more than once in the forward pass (the order was {order}): run each block once"
+    last = max(order) if order else -1
+    skipped = [i for i in range(last if not finished else n) if i not in order]
+    if skipped and order == sorted(order):
+        return f"never ran {_blocks_text(skipped)} (the order was {order}): run every block, in order"
+    return f"ran the blocks in the order {order}, expected {list(range(n))}"
+
+
+CHECKPOINT_HINTS = {
+    'Module [ModuleList] is missing the required "forward" function': "a ModuleList cannot be called: nn.Sequential(blocks[i:j]) "
+    "holds the slice as one module; unpack it, nn.Sequential(*blocks[i:j]), or loop over the blocks",
+    "must have the same dtype": "mixed dtypes in one operation: the batch and the blocks' weights must share a dtype",
+}
 
 
 @exercise("checkpoint_segments")
@@ -846,74 +1765,125 @@ def check_checkpoint_segments(fn) -> None:
         shown = f"{label}, tensor of shape {tuple(x.shape)}, {size}"
         what = f"checkpoint_segments({shown})"
         starts = list(range(0, n, size))
+        segments = [list(range(s, min(s + size, n))) for s in starts]
         torch.manual_seed(36)
-        (expected, sizes), plain_bytes = saved_activation_bytes(lambda: _plain(blocks, x), blocks.parameters())
+        (expected, sizes), _ = saved_activation_bytes(lambda: _plain(blocks, x), blocks.parameters())
+        rng_after = torch.get_rng_state()  # where the plain forward pass left the random state: dropout drew its masks from it
         expected.sum().backward()
         expected_grads = {name: p.grad.clone() for name, p in blocks.named_parameters()}
         blocks.zero_grad(set_to_none=True)
         expected_bytes = sum(sizes[i] for i in starts)
-
-        calls = [0] * n  # forward calls of each block: 2 inside a checkpoint (the forward pass, then the recomputation), 1 outside
-        handles = [b.register_forward_pre_hook(lambda m, args, i=i: calls.__setitem__(i, calls[i] + 1)) for i, b in enumerate(blocks)]
-        x_before = x.clone()
+        x_before, state = x.clone(), _model_state(blocks)
+        watch = _BlockWatch(blocks)
         try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
                 torch.manual_seed(36)
-                got, got_bytes = saved_activation_bytes(lambda: call(fn, blocks, x, size, shown=shown), blocks.parameters())
-                if isinstance(got, torch.Tensor) and got.requires_grad:
-                    _backward_through_checkpoints(got, what)
+                try:
+                    got, got_bytes = saved_activation_bytes(lambda: call(fn, blocks, x, size, shown=shown, hints=CHECKPOINT_HINTS),
+                                                            blocks.parameters())
+                except ExerciseFailed as err:
+                    fault = _order_fault([i for i, *_ in watch.calls], n, finished=False)
+                    raise ExerciseFailed(f"{err.message}: it {fault}" if fault else err.message) from None
+                watch.end_forward()
+                _expect_tensor_unchanged(x_before, False, x, what, "batch x (with use_reentrant=False the input need not require grad)")
+                if got is None:
+                    raise ExerciseFailed(f"{what} returned None: did you forget to `return` the output?")
+                if not isinstance(got, torch.Tensor):
+                    raise ExerciseFailed(f"{what} returned {a_type(got)}, expected the output tensor")
+                rng_now = torch.get_rng_state()
+                _judge_forward(watch, got, n, what)
+                if label.endswith("dropout") and not _same(got.detach(), expected.detach()) and not torch.equal(rng_now, rng_after):
+                    raise ExerciseFailed(f"the output of {what} differs from the plain pass, and your call left the random state elsewhere "
+                                         "than the plain pass does: it reseeded (torch.manual_seed) or drew random numbers of its own, so "
+                                         "dropout drew other masks; leave the random state alone")
+                expect_tensor(got, expected.detach(), what=f"the output of {what}", atol=1e-6)
+                _backward_through_checkpoints(got, what)
         finally:
-            for h in handles:
-                h.remove()
-        messages = [str(w.message) for w in caught]
-        expect_unchanged(x_before, x, what="checkpoint_segments")
-        if x.requires_grad:
-            raise ExerciseFailed(f"{what} switched on requires_grad on the caller's batch: with use_reentrant=False the input need not require grad")
-        if got is None:
-            raise ExerciseFailed(f"{what} returned None: did you forget to `return` the output?")
-        if not isinstance(got, torch.Tensor):
-            raise ExerciseFailed(f"{what} returned {a_type(got)}, expected the output tensor")
-        if not got.requires_grad and any("None of the inputs have requires_grad" in m for m in messages):
-            raise ExerciseFailed(
-                f"{what} returned an output with no graph: the reentrant checkpoint (use_reentrant=True, or not passed) drops the gradients "
-                "when its input does not require grad; pass use_reentrant=False"
-            )
-        if not got.requires_grad:
-            raise ExerciseFailed(f"{what} returned an output that does not require grad: autograd did not record the forward pass (torch.no_grad()? .detach()?)")
-        if any("use_reentrant" in m for m in messages):
-            raise ExerciseFailed(f"{what}: checkpoint warned that use_reentrant should be passed explicitly: pass use_reentrant=False")
-        if "CheckpointFunction" in type(got.grad_fn).__name__:
-            raise ExerciseFailed(f"{what} used the reentrant checkpoint (use_reentrant=True), the legacy variant: pass use_reentrant=False")
-        expect_tensor(got, expected.detach(), what=f"the output of {what}", atol=1e-6)
-        if got_bytes >= plain_bytes:
-            raise ExerciseFailed(
-                f"{what} saved {got_bytes:,} bytes of activations for backward, as many as without checkpointing ({plain_bytes:,}): "
-                "run each segment through torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
-            )
-        outside = [i for i in range(n) if calls[i] == 1]
-        if outside and 2 in calls:
-            raise ExerciseFailed(
-                f"{what}: block {outside[-1]} ran only once, in the forward pass, so it was outside every checkpoint; every block must be "
-                "inside one" + (" (checkpoint_sequential leaves its last segment out)" if outside[-1] == n - 1 else "")
-            )
+            watch.remove()
+        _expect_blocks_unchanged(blocks, state, what)
+        _judge_segments(watch, blocks, segments, size, what)
         if got_bytes != expected_bytes:
-            if size > 1 and got_bytes == sum(sizes):
-                raise ExerciseFailed(f"{what} checkpointed every block on its own ({got_bytes:,} bytes of block inputs saved); "
-                                     f"expected segments of {size} blocks, saving {expected_bytes:,} bytes")
             found = _segment_starts(got_bytes, sizes)
             saved = f"the inputs of blocks {found} ({got_bytes:,} bytes)" if found else f"{got_bytes:,} bytes"
             raise ExerciseFailed(f"{what} saved {saved} for backward; segments of {size} blocks start at blocks {starts}, "
                                  f"whose inputs take {expected_bytes:,} bytes")
         for name, p in blocks.named_parameters():
-            if p.grad is None:
-                raise ExerciseFailed(f"after backward through {what}, parameter {name!r} has no gradient")
             if label.endswith("dropout") and not _same(p.grad, expected_grads[name]):
                 raise ExerciseFailed(
                     f"the gradient of blocks.{name} through {what} differs from the plain pass, and the blocks without dropout agreed: "
                     "the recomputation in backward drew other dropout masks; keep checkpoint's default preserve_rng_state=True"
                 )
             expect_tensor(p.grad, expected_grads[name], what=f"the gradient of blocks.{name} through {what}", atol=1e-6)
+
+
+def _expect_blocks_unchanged(blocks: nn.ModuleList, state: dict, what: str) -> None:
+    """The blocks' modes, values and requires_grad flags as the caller had them (their .grad is the check's own backward)."""
+    _expect_model_unchanged(blocks, {**state, "grads": {}}, what, probe=False)
+
+
+def _judge_forward(watch: _BlockWatch, got: torch.Tensor, n: int, what: str) -> None:
+    """What the learner's forward pass did, watched block by block: the variant of checkpoint, the order, the graph."""
+    forward = watch.calls[:watch.forward_calls]
+    if any(variant == "reentrant" for _, _, variant, _ in forward) and not got.requires_grad:
+        raise ExerciseFailed(
+            f"{what} used the reentrant checkpoint (use_reentrant=True, or not passed: PyTorch then falls back to it), whose output "
+            "has no graph when its input does not require grad, as a batch of data does not: pass use_reentrant=False"
+        )
+    if any(variant == "reentrant" for _, _, variant, _ in forward):
+        raise ExerciseFailed(f"{what} used the reentrant checkpoint (use_reentrant=True, or not passed: PyTorch then falls back to "
+                             "it), the legacy variant: use the non-reentrant one, use_reentrant=False")
+    if any(variant == "nested" for _, _, variant, _ in forward):
+        raise ExerciseFailed(f"{what} ran blocks inside a checkpoint inside another checkpoint: put each segment in one checkpoint, "
+                             "with its blocks called plainly inside it")
+    fault = _order_fault(watch.forward_order(), n)
+    if fault:
+        raise ExerciseFailed(f"{what} {fault}")
+    if not any(grad_on for _, grad_on, _, _ in forward):
+        raise ExerciseFailed(f"{what} ran the blocks with gradient recording off (torch.is_grad_enabled() was False, as under "
+                             "torch.no_grad()): its output has no graph through them to backpropagate")
+    if not got.requires_grad:
+        raise ExerciseFailed(f"{what} returned an output that does not require grad, though the blocks ran with gradients on: "
+                             "it was detached after them")
+    cut = [i for i, _, _, needs_grad in forward if i > 0 and not needs_grad]
+    if cut:
+        raise ExerciseFailed(f"{what}: the input of block {cut[-1]} did not require grad, though block {cut[-1] - 1}'s output did: "
+                             f"the graph is cut between them, and backward cannot reach blocks 0 to {cut[-1] - 1} "
+                             "(.detach() and .data cut it)")
+    leaves = [i for (i, *_), leaf in zip(forward, watch.leaf_inputs) if i > 0 and leaf]
+    if leaves:
+        raise ExerciseFailed(f"{what}: the input of block {leaves[-1]} is a new leaf tensor (it requires grad but has no grad_fn), not "
+                             f"block {leaves[-1] - 1}'s output with its graph: the graph is cut between them (.detach() or .data, then "
+                             f"requires_grad_()), and backward cannot reach blocks 0 to {leaves[-1] - 1}")
+
+
+def _judge_segments(watch: _BlockWatch, blocks: nn.ModuleList, segments: list[list[int]], size: int, what: str) -> None:
+    """The checkpoints the backward pass recomputed, block by block, against the segments the prompt asks for."""
+    recomputed = watch.recomputed_segments()
+    if recomputed == segments:
+        return
+    inside = {i for segment in recomputed for i in segment}
+    outside = [i for i in range(len(blocks)) if i not in inside]
+    if not recomputed:
+        raise ExerciseFailed(f"{what}: no block was recomputed in backward, so none ran inside a checkpoint: run each segment "
+                             "through torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
+    if outside:
+        sequential = any(variant == "sequential" for i, _, variant, _ in watch.calls[:watch.forward_calls] if i in outside)
+        raise ExerciseFailed(f"{what}: {_blocks_text(outside)} ran outside every checkpoint; every block "
+                             "must be inside one" + (" (checkpoint_sequential leaves its last segment out)" if sequential else ""))
+    if size > 1 and all(len(s) == 1 for s in recomputed):
+        raise ExerciseFailed(f"{what} checkpointed every block on its own; expected segments of {size} blocks: {segments}")
+    raise ExerciseFailed(f"{what} checkpointed the blocks in the segments {recomputed}; segments of {size} blocks are {segments}")
+
+
+def _segment_starts(got_bytes: int, sizes: list[int]) -> list[int] | None:
+    """Which block inputs add up to got_bytes, when exactly one set of them does (the sizes differ by design)."""
+    found = [starts for n in range(1, len(sizes) + 1) for starts in _subsets(len(sizes), n) if sum(sizes[i] for i in starts) == got_bytes]
+    return found[0] if len(found) == 1 else None
+
+
+def _subsets(n: int, k: int):
+    return (list(c) for c in itertools.combinations(range(n), k))
 
 
 def _backward_through_checkpoints(out: torch.Tensor, what: str) -> None:

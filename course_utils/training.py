@@ -92,7 +92,8 @@ def fit(
     """Train for up to `epochs`, validating after each; return one row of metrics per epoch.
 
     With `patience`, stop once validation loss has not improved for that many epochs.
-    With `best_path`, save a full checkpoint whenever validation loss improves.
+    With `best_path`, save a full checkpoint whenever validation loss improves: weights, optimizer,
+    scheduler, epoch and every random number generator's state, train_loader's own generator included.
     """
     rows = []
     best_loss, since_best = float("inf"), 0
@@ -110,7 +111,9 @@ def fit(
         if improved:
             best_loss, since_best = val["loss"], 0
             if best_path is not None:
-                save_checkpoint(best_path, model=model, optimizer=optimizer, scheduler=scheduler, epoch=epoch)
+                # The loader's generator decides the next epochs' order: without it a resumed run shuffles differently.
+                save_checkpoint(best_path, model=model, optimizer=optimizer, scheduler=scheduler, epoch=epoch,
+                                generator=getattr(train_loader, "generator", None))
         else:
             since_best += 1
         if log is not None:

@@ -177,8 +177,13 @@ def course_lab(tmp_path):
     port = free_port()  # the token is JupyterLab's own: the test reads the URL it prints, as a learner would
     command = [sys.executable, "-m", "course_utils", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1"]
     env = {k: v for k, v in os.environ.items() if k not in ("COURSE_CHECKER", "COURSE_CHECK_MODE", "PYTEST_ADDOPTS")}
-    env |= {"COURSE_WORK_DIR": str(tmp_path / "work"),
+    env |= {"COURSE_WORK_DIR": str(tmp_path / "work"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
             "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / ".settings"), "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / ".workspaces")}
+    # Every cell in the page (JupyterLab 4 otherwise leaves off-screen cells out), and no autosave: unsaved stays unsaved.
+    for plugin, settings in (("notebook-extension/tracker", {"windowingMode": "none"}), ("docmanager-extension/plugin", {"autosave": False})):
+        folder, name = plugin.split("/")
+        (tmp_path / ".settings" / "@jupyterlab" / folder).mkdir(parents=True, exist_ok=True)
+        (tmp_path / ".settings" / "@jupyterlab" / folder / f"{name}.jupyterlab-settings").write_text(json.dumps(settings))
     log = tmp_path / "lab.log"
     with open(log, "w") as out:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -190,7 +195,7 @@ def course_lab(tmp_path):
         time.sleep(0.5)
     tracked = [psutil.Process(server.pid)]
     try:
-        yield {"log": log, "port": port, "dir": tmp_path}
+        yield {"log": log, "port": port, "dir": tmp_path, "env": env}
     finally:
         tracked += [c for c in tracked[0].children(recursive=True)]
         os.killpg(server.pid, signal.SIGTERM)
@@ -230,3 +235,100 @@ def test_the_printed_url_opens_lesson_00(course_lab, browser):
     assert "Orientation" in first_heading
     assert "Jupyter news" not in body and toasts == 0, body[-500:]  # "Would you like to get notified about official Jupyter news?"
     assert screenshot.exists() and screenshot.stat().st_size > 10_000
+
+
+# ---------------------------------------------------------------- the learner's loop: a broken cell, unsaved work, a reset beside the tab
+
+def cell(page, index: int):
+    return page.locator(".jp-Notebook .jp-Cell").nth(index)
+
+
+def type_into(page, index: int, text: str) -> None:
+    """Replace a cell's text as a learner types it (one insertion: no auto-closed brackets, no auto-indent)."""
+    cell(page, index).locator(".cm-content").click()
+    page.keyboard.press("Control+a")
+    page.keyboard.insert_text(text)
+
+
+def run_cell(page, index: int, timeout: float = 120_000) -> str:
+    """Run one cell (Shift+Enter) and wait until its prompt shows a new execution count; return its outputs' text."""
+    prompt = cell(page, index).locator(".jp-InputPrompt")
+    before = prompt.inner_text().strip()
+    cell(page, index).locator(".cm-content").click()
+    page.keyboard.press("Shift+Enter")
+    page.wait_for_function(
+        """([i, before]) => {
+            const p = document.querySelectorAll('.jp-Notebook .jp-Cell')[i].querySelector('.jp-InputPrompt').textContent.trim();
+            return /^\\[\\d+\\]:$/.test(p) && p !== before;
+        }""",
+        arg=[index, before], timeout=timeout)
+    return "\n".join(cell(page, index).locator(".jp-OutputArea-output").all_inner_texts())
+
+
+def course(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "course_utils", *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_a_broken_cell_unsaved_work_and_a_reset_beside_the_open_tab(course_lab, browser):
+    """Lesson 00 in the browser: a missing bracket is named by its check; a pass not yet saved is named by `check`;
+    `reset` refuses while the tab is open, and --force tells the learner to reload it."""
+    work = course_lab["dir"] / "work"
+    path = work / "00_orientation.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    setup = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+    code = next(i for i, c in enumerate(nb.cells) if any(t.startswith("exercise:") for t in c.metadata.get("tags", [])))
+    name = next(t for t in nb.cells[code].metadata["tags"] if t.startswith("exercise:")).split(":", 1)[1]
+    check = next(i for i, c in enumerate(nb.cells) if f"check:{name}" in c.metadata.get("tags", []))
+    stub = nb.cells[code].source
+    answer = next(c.source for c in nbformat.read(ROOT / "notebooks" / "solutions" / path.name, as_version=4).cells
+                  if f"exercise:{name}" in c.metadata.get("tags", []))
+    answer = "\n".join(line for line in answer.splitlines() if line.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION"))
+    broken_line = next(n for n, line in enumerate(stub.splitlines(), 1) if line.strip() == "raise NotImplementedError()")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(PRINTED_URL.search(course_lab["log"].read_text()).group(0))
+        cell(page, code).wait_for(timeout=60_000)
+        start_kernel(page)
+        run_cell(page, setup)
+        run_cell(page, code)  # the stub, as Run All leaves it
+        type_into(page, code, stub.replace("raise NotImplementedError()", "return (x + 1"))
+        run_cell(page, code)
+        broken = run_cell(page, check)
+        cell(page, check).scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "jupyterlab-broken-cell.png"))
+        type_into(page, code, answer)
+        run_cell(page, code)
+        passed = run_cell(page, check)
+        checked = course("check", "00", env=course_lab["env"])  # reads the file, which still has the stub
+        page.keyboard.press("Control+s")  # saved now, the answer is in the file that reset replaces
+        deadline = time.monotonic() + 30
+        while "raise NotImplementedError()" in nbformat.read(path, as_version=4).cells[code].source and time.monotonic() < deadline:
+            time.sleep(0.2)
+        refused = course("reset", "00", env=course_lab["env"])
+        forced = course("reset", "00", "--force", env=course_lab["env"])
+        page.locator(".lm-MenuBar-itemLabel", has_text="File").first.click()
+        page.locator(".lm-Menu-itemLabel", has_text="Reload Notebook from Disk").first.click()
+        try:
+            page.locator(".jp-Dialog").get_by_role("button", name="Reload", exact=True).click(timeout=5_000)
+        except playwright.Error:
+            pass  # reloaded without asking
+        page.wait_for_function("([i, s]) => document.querySelectorAll('.jp-Notebook .jp-Cell')[i].innerText.includes(s)",
+                               arg=[code, "raise NotImplementedError()"], timeout=30_000)
+        page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
+        page.locator(".lm-Menu-itemLabel", has_text="Shut Down Kernel").first.click()
+    except Exception:
+        page.screenshot(path=str(ARTIFACTS / "jupyterlab-failure-learner-loop.png"))
+        raise
+    finally:
+        page.close()
+    assert f"FAIL {name}: your cell for `{name}` raised SyntaxError at line {broken_line} (" in broken, broken
+    assert "fix it and run that cell again" in broken and ".py" not in broken
+    assert passed.startswith(f"PASS {name}"), passed
+    assert "lesson 00 has changes newer than the saved file: save it (Ctrl-S) and check again" in checked.stdout, checked.stdout
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith(f"error: {path} is open in JupyterLab (http://"), refused.stderr
+    assert forced.returncode == 0 and forced.stdout.splitlines()[-1].startswith(f"if {path} is open in JupyterLab, use File → Reload"), forced.stdout
+    assert nbformat.read(path, as_version=4).cells[code].source == stub
+    (backup,) = (work / "backups").glob("00_orientation.*.ipynb")
+    assert nbformat.read(backup, as_version=4).cells[code].source == answer  # the saved work is kept

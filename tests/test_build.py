@@ -1,10 +1,12 @@
 """course_utils.tooling.build: from a solution notebook to the learner copy."""
 
+import os
+
 import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from course_utils.tooling.build import BuildError, coalesce_streams, learner_copy, solution_blocks, stub, tag_source
+from course_utils.tooling.build import BuildError, coalesce_streams, execute, learner_copy, solution_blocks, stub, tag_source
 from course_utils.tooling.layout import learner_path
 
 SOLUTION_CELL = '''import torch
@@ -205,11 +207,12 @@ def test_build_writes_tagged_source_and_learner_copy(tmp_path):
     assert build([source]) == [tmp_path / "notebooks" / "01_tensors.ipynb"]
     saved = nbformat.read(source, as_version=4)
     assert saved.metadata["course"]["lesson"] == "01"
-    assert saved.cells[0].metadata["tags"] == ["exercise:add_one"]
-    assert "### BEGIN SOLUTION" in saved.cells[0].source
+    assert saved.cells[0].metadata["tags"] == ["hosted-setup"]  # the Colab set-up cell comes first (tests/test_publish.py)
+    assert saved.cells[1].metadata["tags"] == ["exercise:add_one"]
+    assert "### BEGIN SOLUTION" in saved.cells[1].source
     learner = nbformat.read(tmp_path / "notebooks" / "01_tensors.ipynb", as_version=4)
-    assert "y = x + 1" not in learner.cells[0].source
-    assert learner.cells[1].metadata["tags"] == ["check:add_one"]
+    assert "y = x + 1" not in learner.cells[1].source
+    assert learner.cells[2].metadata["tags"] == ["check:add_one"]
     assert learner.metadata["course"]["lesson"] == "01"  # the checker and the grader read it
 
 
@@ -316,3 +319,19 @@ def test_coalesce_streams_joins_consecutive_chunks_of_one_stream():
         ("stream", "stdout", "d\n"),
     ]
     assert "outputs" not in nb.cells[1]
+
+
+def test_execute_shows_a_fresh_clones_work_folder_never_the_builders(tmp_path, monkeypatch):
+    """Lesson 00's progress table must not show the records in the builder's own work/ (issue 18)."""
+    builders = tmp_path / "work"
+    builders.mkdir()
+    (builders / ".progress.json").write_text('{"01": {"linear": {"status": "failed", "reason": "stale", "time": 1}}}')
+    monkeypatch.setenv("COURSE_WORK_DIR", str(builders))
+    monkeypatch.delenv("COURSE_CHECKER", raising=False)
+    cell = new_code_cell(
+        "import os\nfrom course_utils.tooling.layout import work_dir\n"
+        f"print(os.environ['COURSE_CHECKER'], str(work_dir()) != {str(builders)!r}, work_dir().exists())"
+    )
+    execute(new_notebook(cells=[cell]), tmp_path / "lesson.ipynb")
+    assert cell.outputs[0]["text"] == "1 True False\n"  # run as under the checker, in an empty work folder of its own
+    assert os.environ["COURSE_WORK_DIR"] == str(builders) and "COURSE_CHECKER" not in os.environ  # both restored

@@ -1,5 +1,6 @@
 """The command line, `python -m course_utils ...`: help, finding notebooks, and one-line errors without tracebacks."""
 
+import re
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ from course_utils.tooling import cli, layout, workspace
 def work(tmp_path, monkeypatch):
     folder = tmp_path / "work"
     monkeypatch.setenv("COURSE_WORK_DIR", str(folder))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))  # no JupyterLab of this machine's is asked
     return folder
 
 
@@ -31,6 +33,42 @@ def test_help_exits_zero(command, words):
     assert result.stdout.startswith(f"usage: python -m course_utils {command}")
     for word in words:
         assert word in result.stdout
+
+
+def test_help_lists_the_learners_commands_first_and_the_others_in_their_own_groups():
+    result = run("--help")
+    assert result.returncode == 0 and result.stdout.startswith("usage: python -m course_utils [-h] COMMAND ...")
+    groups = [line for line in result.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert groups == ["options:", "your work:", "for instructors:", "for the course's maintainers:"]
+    words = result.stdout.split()
+    assert max(words.index(c) for c in ("lab", "check", "progress", "workspace", "reset", "restore")) < words.index("for")
+    assert words.index("grade") < words.index("maintainers:") < min(words.index("build"), words.index("timings"))
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["chek", "01"], "error: unknown command 'chek': did you mean check?"),
+    (["restor", "01", "--list"], "error: unknown command 'restor': did you mean restore?"),
+    (["zzz"], "error: unknown command 'zzz': the commands are lab, check, progress, workspace, reset, restore, grade, autograder, html, build, timings"),
+])
+def test_a_mistyped_command_gets_a_did_you_mean(capsys, argv, said):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith("usage: python -m course_utils [-h] COMMAND ...") and err.endswith(f"{said}\n")
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["restore", "01", "--list", "extra"], "unrecognized arguments: extra"),
+    (["restore", "01", "old", "--list"], "--list lists every backup of lesson 01: give it no backup name ('old')"),
+    (["progress", "x"], "unrecognized arguments: x"),
+    (["reset"], "the following arguments are required: lesson"),
+])
+def test_a_commands_own_errors_print_its_own_usage(capsys, argv, said):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.startswith(f"usage: python -m course_utils {argv[0]} [-h]") and err.endswith(f"python -m course_utils {argv[0]}: error: {said}\n")
 
 
 def test_no_command_is_an_error(capsys):
@@ -91,6 +129,30 @@ def test_workspace_reset_restore_commands(work, capsys):
     assert capsys.readouterr().out.count("02_") == 1
     assert cli.main(["restore", "02"]) == 0
     assert "mine" in path.read_text()
+
+
+def test_restore_list_says_when_each_backup_was_made_by_which_command_and_how_many_passed(work, capsys):
+    """Two backups of lesson 00, one with a check's saved PASS in it: the listing tells them apart without a run."""
+    import nbformat
+
+    workspace.ensure_workspace()
+    path = work / layout.source_for("00").name
+    nb = nbformat.read(path, as_version=4)
+    checks = [c for c in nb.cells if any(t.startswith("check:") for t in c.metadata.get("tags", []))]
+    name = checks[0].metadata["tags"][0].split(":", 1)[1]
+    checks[0].outputs = [nbformat.v4.new_output("display_data", {"text/plain": f"PASS {name}: all checks passed"})]
+    nbformat.write(nb, path)
+    assert cli.main(["reset", "00"]) == 0
+    assert cli.main(["restore", "00"]) == 0  # keeps the fresh copy it replaced as a second backup
+    capsys.readouterr()
+    assert cli.main(["restore", "00", "--list"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert header.startswith("lesson 00's backups in ") and "oldest first" in header
+    first, second = (row.split("  ") for row in rows)
+    first, second = [c.strip() for c in first if c.strip()], [c.strip() for c in second if c.strip()]
+    assert first[0].startswith("00_orientation.") and re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", first[1])
+    assert first[2:] == ["by reset 00", f"1 of {len(checks)} exercises passed"]
+    assert second[2:] == ["by restore 00", f"0 of {len(checks)} exercises passed"]
 
 
 def test_progress_exits_nonzero_and_names_an_unreadable_notebook(work, capsys):
@@ -224,3 +286,39 @@ def test_check_of_a_correct_notebook_passes_and_is_recorded_despite_a_malformed_
     assert kept.read_text() == '{"00": "x"}'
     statuses = {v["status"] for v in progress.load_records(work)["00"].values()}
     assert statuses == {"passed"}
+
+
+# --- saved or not: `check` reads the file, the notebook's own checks judge the kernel ---------
+
+
+def _notebook_passed(work, lesson: str, exercise: str, when: float) -> None:
+    """The notebook's own check cell recorded a pass of `exercise` at `when` (as a kernel in work/ does)."""
+    import json
+
+    from course_utils.tooling import progress
+    from course_utils.tooling.verdicts import Verdict
+
+    progress.save_verdicts(work, lesson, [Verdict(exercise, "passed")], by=progress.NOTEBOOK)
+    records = progress.load_records(work)
+    records[lesson][exercise]["time"] = when
+    (work / progress.PROGRESS_FILE).write_text(json.dumps(records))
+
+
+@pytest.mark.parametrize("command", [["check", "01"], ["progress", "--recheck"]])
+@pytest.mark.parametrize("seconds, unsaved", [(5, True), (-5, False)], ids=["pass-newer-than-the-file", "pass-older"])
+def test_a_saved_file_behind_its_notebooks_own_verdicts_is_named_in_one_line(work, capsys, monkeypatch, command, seconds, unsaved):
+    from course_utils.tooling import progress, runner
+
+    workspace.ensure_workspace()
+    mine = work / layout.source_for("01").name
+    names = [e.name for e in layout.exercises("01")]
+    _notebook_passed(work, "01", names[0], mine.stat().st_mtime + seconds)
+    result = {"lesson": "01", "exercises": {n: {"status": "not attempted", "reason": "not attempted yet"} for n in names},
+              "stopped_at": None}
+    monkeypatch.setattr(runner, "run_checker", lambda paths: {str(p.resolve()): result for p in paths if p.name == mine.name})
+    cli.main(command)
+    out = capsys.readouterr().out
+    line = "lesson 01 has changes newer than the saved file: save it (Ctrl-S) and check again"
+    assert out.count(line) == (1 if unsaved else 0), out
+    kept = progress.load_records(work)["01"][names[0]]
+    assert (kept["status"], kept["by"]) == (("passed", "notebook") if unsaved else ("not attempted", "check"))

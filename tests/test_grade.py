@@ -74,7 +74,8 @@ def graded(tmp_path_factory):
     nbformat.write(wrong, folder / "cy.ipynb")
     (folder / "dee.ipynb").write_text(nbformat.writes(solved("00"))[:300])  # truncated
     (folder / "empty.ipynb").write_text("")
-    (folder / "notes.txt").write_text("my answers are in the notebook\n")
+    (folder / "notes.txt").write_text("my answers are in the notebook\n")  # not a notebook: ignored, and listed once
+    (folder / "text.ipynb").write_text("my answers are in the notebook\n")  # named as one: unreadable
     looping = fill(learner("00"), "add_one", "    while True:\n        pass")
     nbformat.write(fill(looping, "draw", "    return torch.randn(n, generator=torch.Generator().manual_seed(seed))"), folder / "eve.ipynb")
     # Renamed, and its lesson stamp removed: a lesson 00 notebook named like lesson 05 is graded as lesson 00.
@@ -139,7 +140,14 @@ def test_unreadable_files_are_rows_not_crashes(graded):
     (status, reason), = verdicts(rows, "dee.ipynb").values()
     assert status == "unreadable" and reason.startswith("the file is not a readable notebook: its JSON breaks off at line")
     assert verdicts(rows, "empty.ipynb") == {"": ("unreadable", "the file is empty")}
-    assert verdicts(rows, "notes.txt") == {"": ("unreadable", "the file is not a notebook (it is not JSON)")}
+    assert verdicts(rows, "text.ipynb") == {"": ("unreadable", "the file is not a notebook (it is not JSON)")}
+
+
+def test_files_that_are_not_notebooks_are_ignored_and_listed_once(graded):
+    rows, run, *_ = graded
+    assert not [r for r in rows if r["submission"] == "notes.txt"]
+    assert run.stdout.count("notes.txt") == 1
+    assert "ignored (not notebooks, *.ipynb): notes.txt\n" in run.stdout
 
 
 def test_endless_loop_fails_and_grading_goes_on(graded):
@@ -174,8 +182,11 @@ def test_missing_check_cell_and_subfolders(graded):
 def test_summary_tables_printed(graded):
     _, run, *_ = graded
     assert "Per submission:" in run.stdout and "Per exercise" in run.stdout
-    assert "ada.ipynb" in run.stdout and "7/7" in run.stdout and "0/7" in run.stdout
+    count = len(layout.exercises("01"))  # ada solved every exercise of lesson 01, bob none
+    assert "ada.ipynb" in run.stdout and f"{count}/{count}" in run.stdout and f"0/{count}" in run.stdout
     assert "changed torch's global random state" in run.stdout  # draw's only failure reason
+    summary = run.stdout[run.stdout.index("Per submission:"):]
+    assert max(map(len, summary.splitlines())) <= 200 and "…" in summary  # long reasons are cut, not padded out
 
 
 def test_progress_bar_on_stderr(graded):
@@ -235,7 +246,12 @@ def test_find_submissions_skips_hidden(tmp_path):
     (tmp_path / ".git").mkdir()
     (tmp_path / ".git" / "x").write_text("")
     (tmp_path / ".hidden.ipynb").write_text("")
-    assert [p.relative_to(tmp_path).as_posix() for p in grade.find_submissions(tmp_path)] == ["a.ipynb", "b/c.json"]
+    (tmp_path / "b" / "d.ipynb").write_text("{}")
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    (tmp_path / ".ipynb_checkpoints" / "a-checkpoint.ipynb").write_text("{}")
+    assert [p.relative_to(tmp_path).as_posix() for p in grade.find_submissions(tmp_path)] == ["a.ipynb", "b/d.ipynb"]
+    assert [p.relative_to(tmp_path).as_posix() for p in grade.ignored_files(tmp_path)] == ["b/c.json"]
+    assert grade.ignored_line(tmp_path) == "ignored (not notebooks, *.ipynb): b/c.json"
 
 
 def test_progress_bar_lines():
@@ -262,7 +278,10 @@ def test_empty_or_missing_folder(tmp_path, capsys):
     from course_utils.tooling.cli import main
 
     assert main(["grade", str(tmp_path)]) == 1
-    assert "no files to grade" in capsys.readouterr().err
+    assert "no notebooks (*.ipynb) to grade" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("x")
+    assert main(["grade", str(tmp_path)]) == 1
+    assert "no notebooks (*.ipynb) to grade" in capsys.readouterr().err
     assert main(["grade", str(tmp_path / "nope")]) == 1
     assert "is not a folder" in capsys.readouterr().err
 

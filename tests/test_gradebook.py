@@ -373,3 +373,15 @@ def test_write_atomic_failure_at_the_rename_keeps_the_old_file(tmp_path, monkeyp
         gradebook.write_atomic(path, "new page")
     assert path.read_text() == "old page"
     assert [p.name for p in tmp_path.iterdir()] == ["grades.html"]
+
+
+def test_summary_columns_are_capped_in_width():
+    reason = "f(x of shape (6, 8)): " + "each row of your result runs across several patches, " * 4
+    table = pd.DataFrame([_row(f"s{i}.ipynb", "01", "f", "failed", reason) for i in range(3)] +
+                         [_row("s0.ipynb", "01", "g", "pass")], columns=gradebook.COLUMNS)
+    text = gradebook.format_summary(table)
+    assert max(map(len, text.splitlines())) < 60 + 100  # the text column at most 60 wide, the numbers beside it
+    (failure,) = [line for line in text.splitlines() if line.startswith("01") and " f " in line]
+    assert failure.endswith("… (3x)")  # cut, and still counted
+    assert gradebook.clipped("short") == "short" and len(gradebook.clipped("x" * 100)) == gradebook.MAX_COLUMN
+

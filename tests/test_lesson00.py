@@ -112,3 +112,36 @@ WRONG = [
 @pytest.mark.parametrize("check, wrong, message", WRONG)
 def test_wrong_answers_name_the_fault(check, wrong, message):
     assert_names_fault(check, wrong, message)
+
+
+# Where each part of the map is taught: text that the lesson's notebook must contain.
+TAUGHT_BY = {
+    "torch.Tensor": "tensor", "torch.autograd": "torch.autograd", "torch.nn": "nn.Module", "torch.utils.data": "DataLoader",
+    "torch.optim": "torch.optim", "torch.amp": "torch.amp", "torch.compile": "torch.compile",
+    "hooks, torch.profiler": "torch.profiler", "torch.distributed": "torch.distributed", "torch.export": "torch.export",
+}
+
+
+def test_the_map_names_each_part_of_pytorch_and_a_lesson_that_teaches_it():
+    from course_utils.tooling.layout import source_notebooks
+
+    parts = {part for _, part, _, _ in L.PYTORCH_MAP}
+    assert {"torch.Tensor", "torch.autograd", "torch.nn", "torch.optim", "torch.utils.data", "torch.amp", "torch.compile",
+            "torch.distributed", "torch.export"} <= parts
+    notebooks = {path.name[:2]: path for path in source_notebooks()}
+    for _, part, _, lesson in L.PYTORCH_MAP:
+        assert TAUGHT_BY[part] in notebooks[lesson].read_text(), f"lesson {lesson} does not mention {TAUGHT_BY[part]}"
+
+
+def test_plot_pytorch_map_draws_one_box_per_part_with_its_lesson():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = L.plot_pytorch_map()
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert len(fig.axes[0].patches) == len(L.PYTORCH_MAP)
+    for _, part, _, lesson in L.PYTORCH_MAP:
+        assert part in texts and f"lesson {lesson}" in texts
+    plt.close(fig)

@@ -177,6 +177,35 @@ def count_first_inputs_only(t):
     return dict(counts)
 
 
+def count_on_discovery(t):  # counts a node each time next_functions lists it, walks on from it once
+    if t.grad_fn is None:
+        return {}
+    counts, seen, todo = collections.Counter([type(t.grad_fn).__name__]), {t.grad_fn}, [t.grad_fn]
+    while todo:
+        for parent, _ in todo.pop().next_functions:
+            if parent is None or hasattr(parent, "variable"):
+                continue
+            counts[type(parent).__name__] += 1
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return dict(counts)
+
+
+def count_skips_repeated_kinds(t):  # skips a node whose kind it has seen, and so never walks past it
+    counts, names, node = collections.Counter(), set(), t.grad_fn
+    todo = [node] if node is not None else []
+    while todo:
+        node = todo.pop()
+        if type(node).__name__ in names and type(node).__name__ != "AccumulateGrad":
+            continue
+        names.add(type(node).__name__)
+        if type(node).__name__ != "AccumulateGrad":
+            counts[type(node).__name__] += 1
+        todo += [p for p, _ in node.next_functions if p is not None]
+    return dict(counts)
+
+
 def count_through_autograd_grad(t):
     leaves = [n.variable for n in _nodes(t) if hasattr(n, "variable")]
     if leaves:
@@ -359,88 +388,102 @@ def grad_at_enable_grad(f, x):  # correct: works even when called under no_grad
 
 # frozen_features
 
-def ff_plain(encoder, x):
-    return encoder(x)
+def _batches(x, batch_size):
+    return [x[i : i + batch_size] for i in range(0, len(x), batch_size)]
 
 
-def ff_no_grad(encoder, x):
+def ff_split_decorator(encoder, x, batch_size):  # correct: x.split and the decorator form of no_grad
+    @torch.no_grad()
+    def encode(t):
+        return encoder(t)
+
+    return torch.cat([encode(part) for part in x.split(batch_size)])
+
+
+def ff_inference_then_cat(encoder, x, batch_size):  # correct, though not what the lesson advises: cat runs outside
+    with torch.inference_mode():
+        parts = [encoder(part) for part in _batches(x, batch_size)]
+    return torch.cat(parts)  # a normal tensor: made outside inference mode
+
+
+def ff_preallocated(encoder, x, batch_size):  # correct: set_grad_enabled(False) as a block, results copied into place
+    out = None
+    with torch.set_grad_enabled(False):
+        for start in range(0, x.shape[0], batch_size):
+            part = encoder(x[start : start + batch_size])
+            if out is None:
+                out = torch.empty(x.shape[0], part.shape[1], dtype=part.dtype)
+            out[start : start + len(part)] = part
+    return out
+
+
+def ff_whole(encoder, x, batch_size):
     with torch.no_grad():
         return encoder(x)
 
 
-def ff_inference_tensor(encoder, x):
+def ff_drops_last(encoder, x, batch_size):
+    with torch.no_grad():
+        return torch.cat([encoder(x[i * batch_size : (i + 1) * batch_size]) for i in range(len(x) // batch_size)])
+
+
+def ff_overlapping(encoder, x, batch_size):
+    with torch.no_grad():
+        return torch.cat([encoder(x[i : i + batch_size]) for i in range(0, len(x), batch_size - 1 or 1)])
+
+
+def ff_recording(encoder, x, batch_size):
+    return torch.cat([encoder(part) for part in _batches(x, batch_size)])
+
+
+def ff_detach_after(encoder, x, batch_size):
+    return torch.cat([encoder(part) for part in _batches(x, batch_size)]).detach()
+
+
+def ff_inference_tensor(encoder, x, batch_size):
     with torch.inference_mode():
-        return encoder(x)
+        return torch.cat([encoder(part) for part in _batches(x, batch_size)])
 
 
-def ff_clone_inside(encoder, x):
-    with torch.inference_mode():
-        return encoder(x).clone()
+def ff_list(encoder, x, batch_size):
+    with torch.no_grad():
+        return [encoder(part) for part in _batches(x, batch_size)]
 
 
-def ff_detach_outside(encoder, x):
-    with torch.inference_mode():
-        features = encoder(x)
-    return features.detach()
+def ff_requires_grad(encoder, x, batch_size):
+    return L.frozen_features(encoder, x, batch_size).requires_grad_()
 
 
-def ff_twice(encoder, x):
-    with torch.inference_mode():
-        shape = encoder(x).shape
-        features = encoder(x)
-    return features.clone().reshape(shape)
+def ff_global_switch(encoder, x, batch_size):
+    torch.set_grad_enabled(False)
+    return torch.cat([encoder(part) for part in _batches(x, batch_size)])
 
 
-def ff_freezes_weights(encoder, x):
+def ff_switch_back_on(encoder, x, batch_size):  # right for a caller with autograd on, wrong for one inside no_grad
+    torch.set_grad_enabled(False)
+    features = torch.cat([encoder(part) for part in _batches(x, batch_size)])
+    torch.set_grad_enabled(True)
+    return features
+
+
+def ff_freezes_weights(encoder, x, batch_size):
     encoder.weight.requires_grad_(False)
     encoder.bias.requires_grad_(False)
-    with torch.inference_mode():
-        features = encoder(x)
-    return features.clone()
+    return torch.cat([encoder(part) for part in _batches(x, batch_size)])
 
 
-def ff_global_switch(encoder, x):
-    torch.set_grad_enabled(False)
-    with torch.inference_mode():
-        features = encoder(x)
-    return features.clone()
+def ff_stack(encoder, x, batch_size):
+    with torch.no_grad():
+        return torch.stack([encoder(part) for part in _batches(x, batch_size)])
 
 
-def ff_requires_grad(encoder, x):
-    with torch.inference_mode():
-        features = encoder(x)
-    return features.clone().requires_grad_()
-
-
-def ff_through_list(encoder, x):
-    with torch.inference_mode():
-        features = encoder(x)
-    return torch.tensor(features.tolist())
-
-
-def ff_no_encoder(encoder, x):
+def ff_no_encoder(encoder, x, batch_size):
     return x.clone()
 
 
-def ff_decorator(encoder, x):  # correct: the decorator form
-    @torch.inference_mode()
-    def run(t):
-        return encoder(t)
-
-    return run(x) * 1
-
-
-def ff_copy_into(encoder, x):  # correct: copy_ into a tensor made outside inference mode
-    with torch.inference_mode():
-        features = encoder(x)
-    out = torch.empty_like(features)
-    return out.copy_(features)
-
-
-def ff_detach_clone(encoder, x):  # correct
-    with torch.inference_mode(mode=True):
-        features = encoder(x)
-    return features.detach().clone()
+def ff_batch_of_rows(encoder, x, batch_size):  # batch_size read as the number of batches
+    with torch.no_grad():
+        return torch.cat([encoder(part) for part in x.chunk(batch_size)])
 
 
 # leaky_relu
@@ -695,9 +738,9 @@ RIGHT = [
     (L.check_grad_at, grad_at_backward_on_copy),
     (L.check_grad_at, grad_at_func),
     (L.check_grad_at, grad_at_enable_grad),
-    (L.check_frozen_features, ff_decorator),
-    (L.check_frozen_features, ff_copy_into),
-    (L.check_frozen_features, ff_detach_clone),
+    (L.check_frozen_features, ff_split_decorator),
+    (L.check_frozen_features, ff_inference_then_cat),
+    (L.check_frozen_features, ff_preallocated),
     (L.check_leaky_relu, leaky_right_alternative),
     (L.check_leaky_relu, leaky_masks),
     (L.check_leaky_relu, leaky_masked_copy),
@@ -716,8 +759,8 @@ def test_correct_alternatives_pass(check, answer):
 
 
 WRONG = [
-    (L.check_count_ops, count_per_path, "counted once per path.*'TanhBackward0' is 1 node, counted 3 times.*already seen"),
-    (L.check_count_ops, count_kinds_once, "counts each kind once.*'AddBackward0': expected 2.*nodes, not names"),
+    (L.check_count_ops, count_per_path, r"counted once per path \('\w+' is 1 node, counted 3 times\).*already seen"),
+    (L.check_count_ops, count_kinds_once, r"counts each kind once.*\('AddBackward0' is 2 nodes, counted 1 time\).*nodes, not names"),
     (L.check_count_ops, count_with_accumulate, "counts AccumulateGrad nodes"),
     (L.check_count_ops, count_with_none, "counts None as a node"),
     (L.check_count_ops, count_without_root, r"leaves out t.grad_fn itself \(AddBackward0\)"),
@@ -729,8 +772,10 @@ WRONG = [
     (L.check_count_ops, count_str_keys, r"str\(node\)"),
     (L.check_count_ops, count_class_keys, "the keys are classes"),
     (L.check_count_ops, count_float_values, "Python ints, got float"),
-    (L.check_count_ops, count_first_inputs_only, r"'MeanBackward0': expected 1, got 0 \(expected \{'AddBackward0': 2"),
+    (L.check_count_ops, count_first_inputs_only, r"follows only the first input of each node \(next_functions\[0\]\).*visit them all"),
     (L.check_count_ops, count_through_autograd_grad, "graph no longer works"),
+    (L.check_count_ops, count_on_discovery, r"counted once for each link into it \('TanhBackward0' is 1 node, counted 3 times\)"),
+    (L.check_count_ops, count_skips_repeated_kinds, r"'AddBackward0': expected 2, got 1 \(expected \{'AddBackward0': 2"),
     (L.check_jacobian, jac_no_retain, "raised RuntimeError: Trying to backward.*retain_graph=True.*every pass"),
     (L.check_jacobian, jac_retain_all_but_last, "graph was freed.*on the last pass too"),
     (L.check_jacobian, jac_cumulative, "row i holds the sum of rows 0 to i"),
@@ -752,16 +797,19 @@ WRONG = [
     (L.check_grad_at, grad_at_clears_caller, "changed the caller's x.grad"),
     (L.check_grad_at, grad_at_numeric, "wrong values"),
     (L.check_grad_at, grad_at_float32, "expected dtype torch.float64, got torch.float32"),
-    (L.check_frozen_features, ff_plain, "with autograd recording.*inference_mode"),
-    (L.check_frozen_features, ff_no_grad, r"grad mode off, as torch.no_grad\(\) does, not in inference mode"),
-    (L.check_frozen_features, ff_inference_tensor, "the encoder's inference tensor itself"),
-    (L.check_frozen_features, ff_clone_inside, "is an inference tensor: everything created inside"),
-    (L.check_frozen_features, ff_detach_outside, r"or a view of it, such as .detach\(\)"),
-    (L.check_frozen_features, ff_twice, "called encoder 2 times"),
-    (L.check_frozen_features, ff_freezes_weights, "switched off requires_grad on the encoder's weights"),
-    (L.check_frozen_features, ff_global_switch, "left autograd switched off"),
+    (L.check_frozen_features, ff_whole, r"ran encoder on 150 rows in one call \(the whole of x at once\), more than batch_size=64"),
+    (L.check_frozen_features, ff_drops_last, "the last 22 rows of x never went through encoder: the last batch is smaller"),
+    (L.check_frozen_features, ff_overlapping, "ran encoder on 152 rows in all, for an x of 150 rows: each row goes through it once"),
+    (L.check_frozen_features, ff_batch_of_rows, r"ran encoder on batches of 3, 3, 3, 3, \.\.\. rows: each batch holds batch_size=64 rows, the last one the rest"),
+    (L.check_frozen_features, ff_recording, r"ran encoder while autograd was recording: that builds a graph through the frozen encoder"),
+    (L.check_frozen_features, ff_detach_after, r"while autograd was recording.*a \.detach\(\) afterwards comes too late"),
+    (L.check_frozen_features, ff_inference_tensor, r"is an inference tensor \(made inside inference_mode\): the head's backward cannot save it"),
+    (L.check_frozen_features, ff_list, "is a list of 3 tensors, one per batch: join them into one with torch.cat"),
     (L.check_frozen_features, ff_requires_grad, "requires grad: the features are a constant"),
-    (L.check_frozen_features, ff_through_list, "expected dtype torch.float64, got torch.float32"),
+    (L.check_frozen_features, ff_global_switch, "left autograd switched off for the caller, who had it on"),
+    (L.check_frozen_features, ff_switch_back_on, r"inside the caller's torch.no_grad\(\)\) left autograd switched on for the caller, who had it off"),
+    (L.check_frozen_features, ff_freezes_weights, "switched off requires_grad on the encoder's weights"),
+    (L.check_frozen_features, ff_stack, r"raised RuntimeError: stack expects each tensor to be equal size"),
     (L.check_frozen_features, ff_no_encoder, "never called encoder"),
     (L.check_leaky_relu, leaky_in_place, "modified grad_output in place"),
     (L.check_leaky_relu, leaky_one_grad, "incorrect number of gradients.*return grad_x, None"),

@@ -18,6 +18,7 @@ PAIRS = [
     (L.check_freeze_all_but_last, L.freeze_all_but_last),
     (L.check_init_relu_net, L.init_relu_net),
     (L.check_make_causal_attention, L.make_causal_attention),
+    (L.check_make_norm_block, L.make_norm_block),
     (L.check_evaluate, L.evaluate),
     (L.check_load_pretrained, L.load_pretrained),
 ]
@@ -86,8 +87,8 @@ def test_the_normal_test_accepts_normal_values_and_rejects_uniform_ones():
 
 # ---- layer_shapes ---------------------------------------------------------------------------------
 
-def learner_shapes(*, dilation=True, pairs=True, floor=True, channels=True, linear_last=True, flatten_dims=True,
-                   batch=True, as_float=False, inner=tuple, final_only=False, with_input=False):
+def learner_shapes(*, dilation=True, pool_dilation=True, pairs=True, floor=True, channels=True, linear_last=True,
+                   flatten_dims=True, end_dim=True, batch=True, as_float=False, inner=tuple, final_only=False, with_input=False):
     """A learner's layer_shapes, with one or more typical mistakes switched on."""
 
     def answer(model, input_shape):
@@ -102,6 +103,7 @@ def learner_shapes(*, dilation=True, pairs=True, floor=True, channels=True, line
             if isinstance(layer, (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)):
                 k, s, p = both(layer.kernel_size), both(layer.stride), both(layer.padding)
                 d = both(getattr(layer, "dilation", 1)) if dilation else (1, 1)
+                d = d if pool_dilation or isinstance(layer, nn.Conv2d) else (1, 1)
                 for i in (0, 1):
                     top = shape[2 + i] + 2 * p[i] - d[i] * (k[i] - 1) - 1
                     size = top / s[i] + 1 if as_float else (math.ceil(top / s[i]) if not floor else top // s[i]) + 1
@@ -110,7 +112,8 @@ def learner_shapes(*, dilation=True, pairs=True, floor=True, channels=True, line
                     shape[1] = layer.out_channels
             elif isinstance(layer, nn.Flatten):
                 start = layer.start_dim if flatten_dims else 1
-                shape = shape[:start] + [math.prod(shape[start:])]
+                end = layer.end_dim % len(shape) + 1 if flatten_dims and end_dim else len(shape)
+                shape = shape[:start] + [math.prod(shape[start:end])] + shape[end:]
             elif isinstance(layer, nn.Linear):
                 shape = shape[:-1] + [layer.out_features] if linear_last else [shape[0], layer.out_features]
             shapes.append(inner(shape if batch else shape[1:]))
@@ -146,8 +149,8 @@ def shapes_as_sizes(model, input_shape):
             if hasattr(layer, "out_channels"):
                 dims[-3] = layer.out_channels
         elif isinstance(layer, nn.Flatten):
-            start = layer.start_dim % len(dims)
-            dims = dims[:start] + [math.prod(dims[start:])]
+            start, stop = layer.start_dim % len(dims), layer.end_dim % len(dims) + 1
+            dims = dims[:start] + [math.prod(dims[start:stop])] + dims[stop:]
         elif isinstance(layer, nn.Linear):
             dims[-1] = layer.out_features
         result.append(torch.Size(dims))
@@ -195,6 +198,8 @@ def test_layer_shapes_accepts(answer):
     (learner_shapes(channels=False), "out_channels channels"),
     (learner_shapes(linear_last=False), "acts on the last dimension only"),
     (learner_shapes(flatten_dims=False), r"merges its start_dim to its end_dim"),
+    (learner_shapes(end_dim=False), r"merged every dimension from its start_dim to the last: it stops at its end_dim"),
+    (learner_shapes(pool_dilation=False), r"the pooling shapes ignore dilation: MaxPool2d has a dilation too"),
     (learner_shapes(batch=False), "leave out the batch dimension"),
     (learner_shapes(as_float=True), r"holds a float, expected ints: use //"),
     (learner_shapes(inner=list), r"\[0\] is a list, expected a tuple of ints"),
@@ -578,6 +583,169 @@ def test_make_causal_attention_names_a_wrapped_multihead_attention():
     assert_names_fault(L.check_make_causal_attention, wrapped, "holds an nn.MultiheadAttention")
 
 
+# ---- make_norm_block ------------------------------------------------------------------------------
+
+def test_the_hidden_norm_cases_tell_every_order_apart():
+    for dim, hidden, norm_first, shape in L._norm_cases():
+        torch.manual_seed(dim)
+        f, norm, x = L._Sublayer(dim, hidden), nn.LayerNorm(dim), 3 * torch.randn(shape) + 1.5
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
+            outputs = L._orders(x, f, norm)
+            outputs["plain"] = L._orders(x, f, lambda t: F.layer_norm(t, (dim,)))["pre" if norm_first else "post"]
+        for a, b in itertools.combinations(outputs, 2):
+            assert not torch.allclose(outputs[a], outputs[b], atol=1e-3), (a, b)
+
+
+def norm_block(combine, *, register=True, norm="module", dim_of=None, affine=True):
+    """A learner's make_norm_block whose forward is combine(x, f, norm, norm_first)."""
+
+    def make(f, dim, norm_first):
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                if register:
+                    self.f = f
+                else:
+                    self.parts = [f]
+                if norm == "module":
+                    self.norm = nn.LayerNorm(dim_of or dim, elementwise_affine=affine)
+
+            def forward(self, x):
+                sub = self.f if register else self.parts[0]
+                if norm == "fresh":
+                    layer = nn.LayerNorm(dim)
+                elif norm == "functional":
+                    layer = lambda t: F.layer_norm(t, (dim,))  # noqa: E731
+                else:
+                    layer = self.norm
+                return combine(x, sub, layer, norm_first)
+
+        return Block()
+
+    return make
+
+
+def _pre(x, f, norm):
+    return x + f(norm(x))
+
+
+def _post(x, f, norm):
+    return norm(x + f(x))
+
+
+def norm_two_classes(f, dim, norm_first):  # correct: one class per order, chosen by the flag
+    class PreNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.sublayer = nn.LayerNorm(dim), f
+
+        def forward(self, x):
+            return x + self.sublayer(self.ln(x))
+
+    class PostNorm(PreNorm):
+        def forward(self, x):
+            return self.ln(x + self.sublayer(x))
+
+    return PreNorm() if norm_first else PostNorm()
+
+
+def norm_functional_with_weights(f, dim, norm_first):  # correct: F.layer_norm with the module's own scale and shift
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f, self.norm = f, nn.LayerNorm(dim)
+            self.norm_first = norm_first
+
+        def forward(self, x):
+            def normed(t):
+                return F.layer_norm(t, self.norm.normalized_shape, self.norm.weight, self.norm.bias, self.norm.eps)
+
+            if self.norm_first:
+                return x + self.f(normed(x))
+            return normed(x + self.f(x))
+
+    return Block()
+
+
+def norm_in_steps(f, dim, norm_first):  # correct: a Sequential-style layout, two steps
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({"f": f, "norm": nn.LayerNorm(dim)})
+
+        def forward(self, x):
+            h = self.layers["norm"](x) if norm_first else x
+            y = x + self.layers["f"](h)
+            return y if norm_first else self.layers["norm"](y)
+
+    return Block()
+
+
+def norm_both_computed(f, dim, norm_first):
+    block = norm_block(lambda x, f, n, first: [_post(x, f, n), _pre(x, f, n)][first])(f, dim, norm_first)
+    return block
+
+
+def norm_in_place(f, dim, norm_first):
+    def combine(x, f, n, first):
+        if first:
+            x += f(n(x))
+            return x
+        return n(x + f(x))
+
+    return norm_block(combine)(f, dim, norm_first)
+
+
+@pytest.mark.parametrize("answer", [norm_two_classes, norm_functional_with_weights, norm_in_steps])
+def test_make_norm_block_accepts(answer):
+    assert_passes(L.check_make_norm_block, answer)
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (norm_block(lambda x, f, n, first: _post(x, f, n) if first else _pre(x, f, n)),
+     r"norm_first=True\) built the post-norm order, norm\(x \+ f\(x\)\); norm_first=True asks for the norm first, inside the branch: "
+     r"the pre-norm order, x \+ f\(norm\(x\)\)"),
+    (norm_block(lambda x, f, n, first: _pre(x, f, n)),
+     r"make_norm_block\(f, 6, norm_first=False\) built the pre-norm order, x \+ f\(norm\(x\)\); norm_first=False asks for the norm last"),
+    (norm_block(lambda x, f, n, first: _post(x, f, n)), r"norm_first=True\) built the post-norm order"),
+    (norm_block(lambda x, f, n, first: n(x) + f(n(x)) if first else _post(x, f, n)), "adds norm\\(x\\) to the branch.*the skip carries x itself"),
+    (norm_block(lambda x, f, n, first: f(n(x)) if first else n(f(x))), r"returns f\(norm\(x\)\) with no skip connection"),
+    (norm_block(lambda x, f, n, first: _pre(x, f, n) if first else n(f(x))), r"returns norm\(f\(x\)\) with no skip connection"),
+    (norm_block(lambda x, f, n, first: x + n(f(x))), r"returns x \+ norm\(f\(x\)\), which normalises f's output"),
+    (norm_block(lambda x, f, n, first: n(x + f(n(x))) if first else _post(x, f, n)), "applies the norm both to f's input and to the sum"),
+    (norm_block(lambda x, f, n, first: _pre(x, f, n) if first else _post(x, f, n), norm="fresh"), "holds no nn.LayerNorm of its own"),
+    (norm_block(lambda x, f, n, first: _pre(x, f, n) if first else _post(x, f, n), norm="functional"), "holds no nn.LayerNorm of its own"),
+    (norm_block(lambda x, f, n, first: _pre(x, f, n) if first else _post(x, f, n), register=False), "does not hold f as a sub-module"),
+    (norm_block(lambda x, f, n, first: _pre(x, f, n) if first else _post(x, f, n), affine=False), "has no learnable scale and shift"),
+    (norm_block(lambda x, f, n, first: _pre(x, f, n) if first else _post(x, f, n), dim_of=1), r"normalises over \(1,\), expected \(6,\)"),
+    (norm_both_computed, "called f 2 times: call it once per forward"),
+    (norm_in_place, "modified its input in place"),
+    (lambda f, dim, norm_first: f, "holds no nn.LayerNorm of its own"),
+])
+def test_make_norm_block_names_the_fault(wrong, message):
+    assert_names_fault(L.check_make_norm_block, wrong, message)
+
+
+def test_make_norm_block_names_a_norm_without_its_weights():
+    def make(f, dim, norm_first):
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.f, self.norm = f, nn.LayerNorm(dim)
+
+            def forward(self, x):
+                def normed(t):
+                    return F.layer_norm(t, (dim,))
+
+                return x + self.f(normed(x)) if norm_first else normed(x + self.f(x))
+
+        return Block()
+
+    assert_names_fault(L.check_make_norm_block, make, "ignores the LayerNorm's own weight and bias")
+
+
 # ---- evaluate -------------------------------------------------------------------------------------
 
 def evaluate_a_copy(model, batches):
@@ -619,7 +787,7 @@ def test_evaluate_accepts(answer):
 
 
 def learner_evaluate(*, eval_mode=True, no_grad=True, restore="each", average="samples", returns="float", freeze=False,
-                     global_off=False):
+                     global_off=False, global_on_after=False):
     """A learner's evaluate, with one or more typical mistakes switched on."""
 
     def evaluate(model, batches):
@@ -643,6 +811,8 @@ def learner_evaluate(*, eval_mode=True, no_grad=True, restore="each", average="s
             model.train(was_training)
         elif restore == "train":
             model.train()
+        if global_on_after:
+            torch.set_grad_enabled(True)
         if average == "batches":
             accuracy = sum(r / s for r, s in zip(rights, sizes)) / len(sizes)
         elif average == "full batches":
@@ -658,6 +828,8 @@ def learner_evaluate(*, eval_mode=True, no_grad=True, restore="each", average="s
     (learner_evaluate(eval_mode=False), "ran the model in train mode: switch the model to eval mode"),
     (learner_evaluate(no_grad=False), r"gradient tracking on: run it under torch\.no_grad\(\)"),
     (learner_evaluate(global_off=True), "left gradient tracking switched off for everything after it"),
+    (learner_evaluate(global_off=True, no_grad=False, global_on_after=True),
+     r"called inside the caller's torch.no_grad\(\)\) switched gradient tracking on for the code after it, which had it off"),
     (learner_evaluate(restore=None), "the model is in eval mode, but it was in train mode: put back the mode the model had"),
     (learner_evaluate(restore="train"), r"the model is in train mode, but it was in eval mode: put back the mode the model had \(eval\)"),
     (learner_evaluate(restore="top"), r"'1' \(BatchNorm1d\) is in train mode, but it was in eval mode: model\.train\(\) sets every sub-module"),
@@ -791,7 +963,8 @@ def learner_load(*, meta="context", mmap=True, assign=True, strict=False, head="
                                  r"the new head and holds the old classifier: strict=False loads what matches")),
     (learner_load(assign=False), r"scale is still on the meta device, though the checkpoint holds it: load_state_dict\(\.\.\., assign=True\)"),
     (learner_load(mmap=False), "the weights are not the tensors mapped from the file"),
-    (learner_load(after="to_empty first", assign=False), "the weights are not the tensors mapped from the file"),
+    (learner_load(after="to_empty first", assign=False), "gave scale memory before load_state_dict filled it from the checkpoint"),
+    (learner_load(after="to_empty first"), r"gave scale memory before load_state_dict filled it.*load first \(assign=True\), then give memory \(to_empty\) only to the layers"),
     (learner_load(head=None), "head.weight is still on the meta device: the checkpoint lacks it"),
     (learner_load(head="empty"), r"head.weight does not hold a new layer's values, uniform within ±0\.2041"),
     (learner_load(head="xavier"), r"head.weight does not hold a new layer's values"),

@@ -2,8 +2,11 @@
 
 import collections
 import copy
+import functools
 import multiprocessing
+import operator
 import os
+import sys
 import time
 
 import numpy as np
@@ -23,6 +26,7 @@ from lesson_contract import assert_names_fault, assert_passes, contract_tests
 
 PAIRS = [
     (L.check_read_item, L.read_item),
+    (L.check_smoothed_targets, L.smoothed_targets),
     (L.check_folder_dataset, L.folder_dataset),
     (L.check_split_train_val, L.split_train_val),
     (L.check_pad_collate, L.pad_collate),
@@ -117,6 +121,79 @@ def read_label_tensor(root, row):
     return L.read_item(root, row)[0], torch.tensor(int(row["label"]))
 
 
+# ---- smoothed_targets -----------------------------------------------------------------------------
+
+
+def smooth_one_hot(labels, num_classes, smoothing):
+    return F.one_hot(labels, num_classes).float() * (1 - smoothing) + smoothing / num_classes
+
+
+def smooth_scatter_add(labels, num_classes, smoothing):
+    rows = torch.full((labels.numel(), num_classes), smoothing / num_classes)
+    return rows.scatter_add_(1, labels.view(-1, 1), torch.full((labels.numel(), 1), 1.0 - smoothing))
+
+
+def smooth_loop(labels, num_classes, smoothing):
+    rows = []
+    for label in labels.tolist():
+        row = torch.full((num_classes,), smoothing / num_classes)
+        row[label] += 1 - smoothing
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def smooth_where(labels, num_classes, smoothing):
+    hit = torch.arange(num_classes)[None, :] == labels[:, None]
+    return torch.where(hit, 1 - smoothing + smoothing / num_classes, smoothing / num_classes).float()
+
+
+def smooth_other_classes(labels, num_classes, smoothing):
+    rows = torch.full((len(labels), num_classes), smoothing / (num_classes - 1))
+    return rows.scatter_(1, labels[:, None], 1 - smoothing)
+
+
+def smooth_missing_share(labels, num_classes, smoothing):
+    rows = torch.full((len(labels), num_classes), smoothing / num_classes)
+    return rows.scatter_(1, labels[:, None], 1 - smoothing)
+
+
+def smooth_true_is_one(labels, num_classes, smoothing):
+    return torch.full((len(labels), num_classes), smoothing / num_classes).scatter_(1, labels[:, None], 1.0)
+
+
+def smooth_forgotten(labels, num_classes, smoothing):
+    return torch.zeros(len(labels), num_classes).scatter_(1, labels[:, None], 1.0)
+
+
+def smooth_guessed_classes(labels, num_classes, smoothing):
+    return F.one_hot(labels).float() * (1 - smoothing) + smoothing / num_classes
+
+
+def smooth_ten_classes(labels, num_classes, smoothing):
+    return L.smoothed_targets(labels, 10, smoothing)
+
+
+def smooth_unsqueeze_in_place(labels, num_classes, smoothing):
+    index = labels.unsqueeze_(1)
+    return torch.full((len(index), num_classes), smoothing / num_classes).scatter_(1, index, 1 - smoothing + smoothing / num_classes)
+
+
+def smooth_no_unsqueeze(labels, num_classes, smoothing):
+    return torch.full((len(labels), num_classes), smoothing / num_classes).scatter_(1, labels, 1 - smoothing + smoothing / num_classes)
+
+
+def smooth_along_dim_0(labels, num_classes, smoothing):
+    return torch.full((len(labels), num_classes), smoothing / num_classes).scatter_(0, labels[:, None], 1 - smoothing + smoothing / num_classes)
+
+
+def smooth_integer_rows(labels, num_classes, smoothing):
+    return torch.zeros(len(labels), num_classes, dtype=labels.dtype).scatter_(1, labels[:, None], 1)
+
+
+def smooth_float64(labels, num_classes, smoothing):
+    return L.smoothed_targets(labels, num_classes, smoothing).double()
+
+
 # ---- folder_dataset -------------------------------------------------------------------------------
 
 
@@ -154,6 +231,38 @@ def folder_grayscale_last(root):
     inverse = {index: int(name) for name, index in dataset.class_to_idx.items()}
     dataset.target_transform = inverse.__getitem__
     return dataset
+
+
+def folder_partial(root):
+    dataset = ImageFolder(root, transform=v2.Compose([v2.ToImage(), v2.Grayscale(), v2.ToDtype(torch.float32, scale=True)]))
+    dataset.target_transform = functools.partial(operator.getitem, [int(name) for name in dataset.classes])
+    return dataset
+
+
+def folder_nested_function(root):
+    dataset = ImageFolder(root, transform=TO_GRAY)
+
+    def number(index):
+        return int(dataset.classes[index])
+
+    dataset.target_transform = number
+    return dataset
+
+
+def _in_notebook(function):
+    """The function as if a notebook cell had defined it: named in __main__."""
+    function.__module__, function.__qualname__ = "__main__", function.__name__
+    setattr(sys.modules["__main__"], function.__name__, function)
+    return function
+
+
+@_in_notebook
+def number_of_folder(index):
+    return int(sorted(str(n) for n in range(12))[index])
+
+
+def folder_notebook_function(root):
+    return ImageFolder(root, transform=TO_GRAY, target_transform=number_of_folder)
 
 
 def folder_index_labels(root):
@@ -510,6 +619,19 @@ def time_ns(loader, step):
     return waited / 1e9, stepped / 1e9
 
 
+def time_enumerate(loader, step):
+    totals = [0.0, 0.0]
+    clock = time.perf_counter
+    tick = clock()
+    for _, batch in enumerate(loader):
+        tock = clock()
+        step(batch)
+        totals[0] += tock - tick
+        tick = clock()
+        totals[1] += tick - tock
+    return totals[0], totals[1]
+
+
 def time_forgets_return(loader, step):
     L.time_epoch(loader, step)
 
@@ -681,8 +803,12 @@ ALTERNATIVES = [
     (L.check_read_item, read_functional),
     (L.check_read_item, read_grayscale_transform),
     (L.check_read_item, read_pil_to_tensor),
+    (L.check_smoothed_targets, smooth_one_hot),
+    (L.check_smoothed_targets, smooth_scatter_add),
+    (L.check_smoothed_targets, smooth_loop),
+    (L.check_smoothed_targets, smooth_where),
     (L.check_folder_dataset, folder_subclass),
-    (L.check_folder_dataset, folder_lambda),
+    (L.check_folder_dataset, folder_partial),
     (L.check_folder_dataset, folder_loader_and_dict),
     (L.check_folder_dataset, folder_grayscale_last),
     (L.check_split_train_val, split_random_split_twice),
@@ -698,7 +824,7 @@ ALTERNATIVES = [
     (L.check_balanced_loader, loader_batch_sampler),
     (L.check_time_epoch, time_while_next),
     (L.check_time_epoch, time_monotonic),
-    (L.check_time_epoch, time_two_phases),
+    (L.check_time_epoch, time_enumerate),
     (L.check_time_epoch, time_ns),
     (L.check_parallel_loader, parallel_sampler_and_batch_size),
     (L.check_parallel_loader, parallel_kwargs),
@@ -731,7 +857,24 @@ WRONG = [
     (L.check_read_item, read_changes_row, "changed the row it was given"),
     (L.check_read_item, lambda root, row: L.read_item(root, {"filename": row["filename"] + ".jpg"}), r"^read_item: <lambda>\(root, row 'pics/a.png'\) raised FileNotFoundError"),
     (L.check_read_item, lambda root, row: L.read_item(root, row)[0], r"returned a tensor of shape \(1, 7, 5\): return a tuple"),
+    # smoothed_targets
+    (L.check_smoothed_targets, smooth_other_classes, r"labels \[3, 11, 0, 3, 7\], .*spread over the 11 other classes; here, as in CrossEntropyLoss"),
+    (L.check_smoothed_targets, smooth_missing_share, "the true class gets 1 - smoothing, but its own share smoothing / num_classes is missing"),
+    (L.check_smoothed_targets, smooth_true_is_one, "the true class gets 1, so each row sums to more than 1"),
+    (L.check_smoothed_targets, smooth_forgotten, "plain one-hot rows: the smoothing is missing"),
+    (L.check_smoothed_targets, smooth_guessed_classes, r"labels \[1\], num_classes=3.* has 2 columns, max\(labels\) \+ 1: the number of classes came from the labels"),
+    (L.check_smoothed_targets, smooth_ten_classes, r"index 11 is out of bounds for dimension 1 with size 10 \(a label reached past the last column: make the rows num_classes wide\)"),
+    (L.check_smoothed_targets, lambda labels, c, s: L.smoothed_targets(labels % 3, 10, s), r"labels \[3, 11, 0, 3, 7\], .*has 10 columns, the digits' number of classes: this case has num_classes = 12"),
+    (L.check_smoothed_targets, smooth_unsqueeze_in_place, "changed the labels it was given"),
+    (L.check_smoothed_targets, smooth_no_unsqueeze, r"raised RuntimeError: Index tensor must have the same number of dimensions.*labels.unsqueeze\(1\)"),
+    (L.check_smoothed_targets, smooth_along_dim_0, r"raised RuntimeError: index 11 is out of bounds for dimension 0.*the classes are dim 1"),
+    (L.check_smoothed_targets, smooth_integer_rows, r"has dtype torch.int64, expected torch.float32"),
+    (L.check_smoothed_targets, smooth_float64, r"has dtype torch.float64, expected torch.float32"),
+    (L.check_smoothed_targets, lambda labels, c, s: L.smoothed_targets(labels, c, s).T, r"expected shape \(5, 12\), got \(12, 5\)"),
     # folder_dataset
+    (L.check_folder_dataset, folder_lambda, r"its target_transform cannot be pickled \(\w+: .*<lambda>.*\): a lambda has no name"),
+    (L.check_folder_dataset, folder_nested_function, r"its target_transform cannot be pickled .*local object.*: a function defined inside another"),
+    (L.check_folder_dataset, folder_notebook_function, r"its target_transform refers to number_of_folder, defined in the notebook \(__main__\)"),
     (L.check_folder_dataset, folder_index_labels, r"folder '10' has the label 2, its position among the folders sorted as text"),
     (L.check_folder_dataset, folder_rgb, "3 channels, shape .*default loader opens every file as RGB"),
     (L.check_folder_dataset, folder_pil, "the image is a PIL image; give ImageFolder a transform"),
@@ -785,6 +928,8 @@ WRONG = [
     (L.check_balanced_loader, loader_unique_counts, r"raised IndexError"),
     (L.check_balanced_loader, loader_drop_last, "yielded 56 samples, expected 61: drop_last=True"),
     (L.check_balanced_loader, lambda dataset, labels, batch_size, seed: L.balanced_loader(dataset, labels, 4, seed), "batch_size: expected 8, got 4"),
+    (L.check_balanced_loader, lambda dataset, labels, batch_size, seed: L.balanced_loader(dataset, labels, 8, seed),
+     r"dataset of 19 in 4 classes, .*batch_size=5.*batch_size: expected 5, got 8"),
     (L.check_balanced_loader, lambda dataset, labels, batch_size, seed: L.balanced_loader(dataset, labels, batch_size, seed).sampler, "expected a torch.utils.data.DataLoader"),
     # time_epoch
     (L.check_time_epoch, lambda loader, step: L.time_epoch(loader, step)[::-1], "the two are swapped"),
@@ -796,6 +941,7 @@ WRONG = [
     (L.check_time_epoch, time_two_epochs, "read 14 items from a dataset of 7: go through the loader once"),
     (L.check_time_epoch, time_full_batches_only, "called step 3 times, expected 4: once per batch, the last, smaller one too"),
     (L.check_time_epoch, time_step_on_all, r"called step 1 times, expected 4"),
+    (L.check_time_epoch, time_two_phases, r"when step\(batch 0\) began, the loader had already read 7 of 7 items.*list\(loader\)"),
     (L.check_time_epoch, lambda loader, step: tuple(torch.tensor(t) for t in L.time_epoch(loader, step)), "load_seconds is a tensor, expected a Python float"),
     (L.check_time_epoch, time_forgets_return, "returned None: return the pair"),
     (L.check_time_epoch, lambda loader, step: sum(L.time_epoch(loader, step)), "returned a float: return the pair"),

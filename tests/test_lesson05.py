@@ -25,7 +25,7 @@ PAIRS = [
     (L.check_make_adamw, L.make_adamw),
     (L.check_warmup_cosine, L.warmup_cosine),
     (L.check_accumulation_step, L.accumulation_step),
-    (L.check_evaluate_model, L.evaluate_model),
+    (L.check_overfit_one_batch, L.overfit_one_batch),
     (L.check_train_resumable, L.train_resumable),
 ]
 
@@ -385,6 +385,27 @@ def _weighted_backward(model, micro_batches, loss_fn, optimizer):
         (loss_fn(model(x), y) * len(y) / total).backward()
 
 
+def accumulate_reverse_order(model, micro_batches, loss_fn, optimizer, max_norm):
+    for p in model.parameters():
+        p.grad = None
+    sizes = [y.shape[0] for _, y in micro_batches]
+    for (x, y), size in zip(reversed(micro_batches), reversed(sizes)):
+        torch.autograd.backward(loss_fn(model(x), y) * (size / sum(sizes)))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, error_if_nonfinite=True)
+    optimizer.step()
+    return float(norm)
+
+
+def accumulate_one_backward(model, micro_batches, loss_fn, optimizer, max_norm):
+    optimizer.zero_grad()
+    total = sum(len(y) for _, y in micro_batches)
+    loss = sum(loss_fn(model(x), y) * len(y) / total for x, y in micro_batches)  # every graph alive until this one backward
+    loss.backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return norm.item()
+
+
 def accumulate_divided_by_k(model, micro_batches, loss_fn, optimizer, max_norm):
     optimizer.zero_grad()
     for x, y in micro_batches:
@@ -511,169 +532,125 @@ def accumulate_grad_of_none(model, micro_batches, loss_fn, optimizer, max_norm):
     return norm.item()
 
 
-# Exercise 5: evaluate_model
+# Exercise 5: overfit_one_batch
 
-def evaluate_inference_mode(model, loader, loss_fn):
-    flags = [(m, m.training) for m in model.modules()]
-    model.eval()
-    logits, targets = [], []
-    with torch.inference_mode():
-        for x, y in loader:
-            logits.append(model(x))
-            targets.append(y)
-    for m, flag in flags:
+def _dropout_off(model):
+    """model.train(), then every nn.Dropout in eval mode; returns each module's mode from before, in model.modules() order."""
+    saved = [(m, m.training) for m in model.modules()]
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.eval()
+    return saved
+
+
+def _restore(saved):
+    for m, flag in saved:  # parents before children, so that each child's own flag is set last
+        m.train(flag)
+
+
+def overfit_apply(model, inputs, targets, loss_fn, steps, lr):
+    saved = [(m, m.training) for m in model.modules()]
+    model.train()
+    model.apply(lambda m: m.eval() if isinstance(m, nn.Dropout) else None)
+    opt = torch.optim.Adam(model.parameters(), lr)
+    out = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=False)
+        loss = loss_fn(model(inputs), targets)
+        out.append(float(loss.detach()))
+        loss.backward()
+        opt.step()
+    _restore(saved)
+    return out
+
+
+def overfit_tutorial_order(model, inputs, targets, loss_fn, steps, lr):
+    saved = _dropout_off(model)
+    optimizer = torch.optim.Adam(params=list(model.parameters()), lr=lr)
+    losses = []
+    for step in range(steps):
+        prediction = model(inputs)
+        loss = loss_fn(prediction, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()  # the official tutorial's order
+        losses.append(loss.detach().item())
+    _restore(saved)
+    return losses
+
+
+def overfit_p_zero(model, inputs, targets, loss_fn, steps, lr):
+    """Dropout switched off by p = 0 rather than eval mode, and put back afterwards."""
+    rates = {m: m.p for m in model.modules() if isinstance(m, nn.Dropout)}
+    modes = {m: m.training for m in model.modules()}
+    model.train()
+    for m in rates:
+        m.p = 0.0
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    while len(losses) < steps:
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    for m, p in rates.items():
+        m.p = p
+    for m, flag in modes.items():
         m.training = flag
-    logits, targets = torch.cat(logits), torch.cat(targets)
-    return {"loss": loss_fn(logits, targets).item(), "accuracy": (logits.argmax(-1) == targets).float().mean().item()}
+    return losses
 
 
-def evaluate_tensor_sums(model, loader, loss_fn):
-    modes = [m.training for m in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            loss_sum, correct, count = torch.zeros(()), torch.zeros((), dtype=torch.long), 0
-            for x, y in loader:
-                out = model(x)
-                loss_sum += loss_fn(out, y) * y.numel()
-                correct += (out.max(dim=1).indices == y).sum()
-                count += y.numel()
-    finally:
-        for m, mode in zip(model.modules(), modes):
-            m.train(mode)  # parents first, so every child ends with its own flag
-    return {"loss": (loss_sum / count).item(), "accuracy": correct.item() / count}
-
-
-def evaluate_decorated(model, loader, loss_fn):
-    @torch.no_grad()
-    def scores():
-        out = [(model(x), y) for x, y in loader]
-        n = sum(len(y) for _, y in out)
-        return (sum(loss_fn(o, y).item() * len(y) for o, y in out) / n,
-                sum(int((o.argmax(1) == y).sum()) for o, y in out) / n)
-
-    before = {name: m.training for name, m in model.named_modules()}
-    model.eval()
-    loss, acc = scores()
-    for name, m in model.named_modules():
-        m.training = before[name]
-    return {"accuracy": acc, "loss": loss}
-
-
-def _score(model, loader, loss_fn):
-    loss_sum, correct, count = 0.0, 0, 0
-    for x, y in loader:
-        out = model(x)
-        loss_sum += loss_fn(out, y).item() * len(y)
-        correct += (out.argmax(1) == y).sum().item()
-        count += len(y)
-    return {"loss": loss_sum / count, "accuracy": correct / count}
-
-
-def _restored(body):
-    def answer(model, loader, loss_fn):
+def _overfit(make_optimizer=lambda params, lr: torch.optim.Adam(params, lr=lr), *, dropout_off=True, whole_eval=False, restore=True,
+             order="right", loss_after_step=False, batch=lambda x: x, steps_offset=0, as_tensor=False):
+    """An overfit_one_batch that gets one thing wrong, chosen by the arguments."""
+    def answer(model, inputs, targets, loss_fn, steps, lr):
         modes = {m: m.training for m in model.modules()}
-        model.eval()
-        with torch.no_grad():
-            result = body(model, loader, loss_fn)
-        for m, mode in modes.items():
-            m.training = mode
-        return result
-    answer.__name__ = body.__name__
+        if whole_eval:
+            model.eval()
+        else:
+            model.train()
+            for m in model.modules():
+                if dropout_off and isinstance(m, nn.Dropout):
+                    m.eval()
+        optimizer = make_optimizer(model.parameters(), lr)
+        losses = []
+        for _ in range(steps + steps_offset):
+            if order == "right":
+                optimizer.zero_grad()
+            loss = loss_fn(model(batch(inputs)), targets[: len(batch(inputs))])
+            loss.backward()
+            if order == "between":
+                optimizer.zero_grad()
+            optimizer.step()
+            if loss_after_step:
+                loss = loss_fn(model(inputs), targets)
+            losses.append(loss.detach() if as_tensor else loss.item())
+        if restore:
+            for m, flag in modes.items():
+                m.training = flag
+        return losses
     return answer
 
 
-def evaluate_in_train_mode(model, loader, loss_fn):
-    with torch.no_grad():
-        return _score(model, loader, loss_fn)
-
-
-def evaluate_with_grad(model, loader, loss_fn):
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    result = _score(model, loader, loss_fn)
-    for m, mode in modes.items():
-        m.training = mode
-    return result
-
-
-@_restored
-def evaluate_mean_of_batch_means(model, loader, loss_fn):
-    result = _score(model, loader, loss_fn)
-    result["loss"] = sum(loss_fn(model(x), y).item() for x, y in loader) / len(loader)
-    return result
-
-
-@_restored
-def evaluate_mean_of_batch_accuracies(model, loader, loss_fn):
-    result = _score(model, loader, loss_fn)
-    result["accuracy"] = sum((model(x).argmax(1) == y).float().mean().item() for x, y in loader) / len(loader)
-    return result
-
-
-@_restored
-def evaluate_full_batches(model, loader, loss_fn):
-    result = _score(model, loader, loss_fn)
-    n = len(loader.dataset)
-    padded = len(loader) * loader.batch_size
-    return {"loss": result["loss"] * n / padded, "accuracy": result["accuracy"] * n / padded}
-
-
-@_restored
-def evaluate_ties_right(model, loader, loss_fn):
-    result = _score(model, loader, loss_fn)
-    hits = sum((model(x).gather(1, y[:, None]).squeeze(1) == model(x).max(1).values).sum().item() for x, y in loader)
-    result["accuracy"] = hits / len(loader.dataset)
-    return result
-
-
-@_restored
-def evaluate_percent(model, loader, loss_fn):
-    result = _score(model, loader, loss_fn)
-    result["accuracy"] *= 100
-    return result
-
-
-@_restored
-def evaluate_tensor_values(model, loader, loss_fn):
-    return {k: torch.tensor(v) for k, v in _score(model, loader, loss_fn).items()}
-
-
-@_restored
-def evaluate_other_keys(model, loader, loss_fn):
-    result = _score(model, loader, loss_fn)
-    return {"val_loss": result["loss"], "val_accuracy": result["accuracy"]}
-
-
-def evaluate_leaves_eval(model, loader, loss_fn):
-    model.eval()
-    with torch.no_grad():
-        return _score(model, loader, loss_fn)
-
-
-def evaluate_back_to_train(model, loader, loss_fn):
-    model.eval()
-    with torch.no_grad():
-        result = _score(model, loader, loss_fn)
+def overfit_restores_train(model, inputs, targets, loss_fn, steps, lr):
+    losses = _overfit(restore=False)(model, inputs, targets, loss_fn, steps, lr)
     model.train()
-    return result
+    return losses
 
 
-def evaluate_one_flag(model, loader, loss_fn):
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        result = _score(model, loader, loss_fn)
-    model.train(was_training)
-    return result
+def overfit_p_zero_kept(model, inputs, targets, loss_fn, steps, lr):
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return _overfit(dropout_off=False)(model, inputs, targets, loss_fn, steps, lr)
 
 
-def evaluate_count_as_int(model, loader, loss_fn):
-    result = _restored(_score)(model, loader, loss_fn)
-    return {"loss": result["loss"], "accuracy": round(result["accuracy"] * len(loader.dataset))}
+def overfit_normalises_inputs(model, inputs, targets, loss_fn, steps, lr):
+    inputs -= inputs.mean(dim=0)
+    return L.overfit_one_batch(model, inputs, targets, loss_fn, steps, lr)
 
-
-# Exercise 6: train_resumable
 
 def resumable_own_loop(model, loader, loss_fn, optimizer, scheduler, shuffle, epochs, path):
     history, start = [], 0
@@ -770,6 +747,21 @@ def _resumable(save=("model", "optimizer", "scheduler", "torch", "shuffle"), *, 
     return answer
 
 
+def resumable_epochs_from_checkpoint(model, loader, loss_fn, optimizer, scheduler, shuffle, epochs, path):
+    losses = []
+    if path.exists():
+        ck = torch.load(path, weights_only=True)
+        model.load_state_dict(ck["model"]), optimizer.load_state_dict(ck["optimizer"]), scheduler.load_state_dict(ck["scheduler"])
+        torch.set_rng_state(ck["torch"]), shuffle.set_state(ck["shuffle"])
+        losses, epochs = ck["losses"], ck["epochs"]  # the run's length, as first asked for
+    while len(losses) < epochs:
+        losses.append(train_one_epoch(model, loader, loss_fn, optimizer))
+        scheduler.step()
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "torch": torch.get_rng_state(), "shuffle": shuffle.get_state(), "losses": losses, "epochs": epochs}, path)
+    return losses
+
+
 def _save(path, model, optimizer, scheduler, shuffle, epoch, losses):
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "torch": torch.get_rng_state(), "shuffle": shuffle.get_state(), "epoch": epoch, "losses": losses}, path)
@@ -848,12 +840,12 @@ ALTERNATIVES = [
     (L.check_warmup_cosine, warmup_lambdas),
     (L.check_warmup_cosine, WarmupCosine),
     (L.check_warmup_cosine, warmup_keywords),
-    (L.check_accumulation_step, accumulate_as_one_batch),
+    (L.check_accumulation_step, accumulate_reverse_order),
     (L.check_accumulation_step, accumulate_sums_then_divides),
     (L.check_accumulation_step, accumulate_clips_by_hand),
-    (L.check_evaluate_model, evaluate_inference_mode),
-    (L.check_evaluate_model, evaluate_tensor_sums),
-    (L.check_evaluate_model, evaluate_decorated),
+    (L.check_overfit_one_batch, overfit_apply),
+    (L.check_overfit_one_batch, overfit_tutorial_order),
+    (L.check_overfit_one_batch, overfit_p_zero),
     (L.check_train_resumable, resumable_own_loop),
     (L.check_train_resumable, resumable_nested),
     (L.check_train_resumable, resumable_epoch_counter),
@@ -921,19 +913,24 @@ WRONG = [
     (L.check_accumulation_step, accumulate_clips_values, "the step used the unclipped gradient"),  # no value is above 0.15
     (L.check_accumulation_step, accumulate_clips_each, r"the gradient of '.*' at the step: wrong values"),
     (L.check_accumulation_step, accumulate_grad_of_none, r"raised AttributeError: 'NoneType' object has no attribute 'pow'"),
-    (L.check_evaluate_model, evaluate_in_train_mode, r"the model ran in train mode .*call model.eval\(\)"),
-    (L.check_evaluate_model, evaluate_with_grad, r"required grad.*torch.no_grad\(\)"),
-    (L.check_evaluate_model, evaluate_mean_of_batch_means, "mean of the batch means, but the batches hold 4, 4, 3 samples"),
-    (L.check_evaluate_model, evaluate_mean_of_batch_accuracies, "mean of the per-batch accuracies, but the batches hold 4, 4, 3"),
-    (L.check_evaluate_model, evaluate_full_batches, r"divided by len\(loader\) x batch_size = 12, but the last batch is smaller: there are 11 samples"),
-    (L.check_evaluate_model, evaluate_ties_right, "on a tie the prediction is the first of the tied classes"),
-    (L.check_evaluate_model, evaluate_percent, "a percentage: return a fraction"),
-    (L.check_evaluate_model, evaluate_tensor_values, "'loss' entry .* is a tensor, expected a Python float"),
-    (L.check_evaluate_model, evaluate_other_keys, r"keys \['val_accuracy', 'val_loss'\], expected \['accuracy', 'loss'\]"),
-    (L.check_evaluate_model, evaluate_leaves_eval, "left in eval mode: put every module back"),
-    (L.check_evaluate_model, evaluate_back_to_train, "left in train mode, but the caller had it in eval mode"),
-    (L.check_evaluate_model, evaluate_one_flag, r"'body.1' \(BatchNorm1d\) was in eval mode before the call .* model.train\(flag\) sets every submodule alike"),
-    (L.check_evaluate_model, evaluate_count_as_int, r"'accuracy' entry .* is an int \(\d+\), expected a Python float"),
+    (L.check_accumulation_step, accumulate_as_one_batch, r"ran the model on all 10 samples at once: accumulation exists because that whole batch does not fit"),
+    (L.check_accumulation_step, accumulate_one_backward, r"the forward pass of micro-batch 2 ran before the backward\(\) of micro-batch 1: each graph holds"),
+    (L.check_overfit_one_batch, _overfit(whole_eval=True), r"batch norm ran in eval mode.*switch only the dropout layers to eval"),
+    (L.check_overfit_one_batch, _overfit(dropout_off=False), r"dropout was active in the forward pass of step 1.*put every nn.Dropout in eval mode"),
+    (L.check_overfit_one_batch, _overfit(lambda params, lr: torch.optim.SGD(params, lr=lr)), "these are the losses of torch.optim.SGD"),
+    (L.check_overfit_one_batch, _overfit(lambda params, lr: torch.optim.AdamW(params, lr=lr)), r"torch.optim.AdamW, which decays the weights by default \(weight_decay=0.01\)"),
+    (L.check_overfit_one_batch, _overfit(lambda params, lr: torch.optim.Adam(params)), "Adam at its default lr, 1e-3: pass lr"),
+    (L.check_overfit_one_batch, _overfit(order="never"), r"the gradients piled up from step to step: call optimizer.zero_grad\(\) before each backward\(\)"),
+    (L.check_overfit_one_batch, _overfit(order="between"), r"the loss is [\d.]+ at every step, so the weights never changed"),
+    (L.check_overfit_one_batch, _overfit(loss_after_step=True), r"ran the model 40 times \(2 per step\), expected 20"),
+    (L.check_overfit_one_batch, _overfit(steps_offset=-1), r"ran the model 19 times, expected 20"),
+    (L.check_overfit_one_batch, _overfit(batch=lambda x: x[:4]), r"the forward pass of step 1 did not get the batch it was given"),
+    (L.check_overfit_one_batch, _overfit(as_tensor=True), r"returned tensors in its list: return Python floats"),
+    (L.check_overfit_one_batch, _overfit(restore=False), r"'3' \(Dropout\) was in train mode before the call and is in eval mode after"),
+    (L.check_overfit_one_batch, overfit_restores_train, r"regression MLP .*left in train mode, but the caller had it in eval mode"),
+    (L.check_overfit_one_batch, overfit_p_zero_kept, r"left '3' with p=0.0, it had p=0.3"),
+    (L.check_overfit_one_batch, overfit_normalises_inputs, r"changed|modif"),
+    (L.check_overfit_one_batch, lambda m, x, y, fn, steps, lr: L.overfit_one_batch(m, x, y, fn, steps, lr)[-1], r"returned a float, expected a list of floats, one per step"),
     (L.check_train_resumable, _resumable(save=("model", "shuffle", "torch")), "when training resumed, the optimizer.s momentum buffers were not those the uninterrupted run had after epoch 2"),
     (L.check_train_resumable, _resumable(save=("model", "optimizer", "shuffle", "torch")), "the scheduler had been stepped 0 times, expected 2"),
     (L.check_train_resumable, _resumable(save=("model", "optimizer", "scheduler", "torch")), r"first batch after resuming .* shuffle.get_state\(\)"),
@@ -941,7 +938,8 @@ WRONG = [
     (L.check_train_resumable, _resumable(save=("optimizer", "scheduler", "shuffle", "torch")), "when training resumed, the weights were not those the uninterrupted run had after epoch 2"),
     (L.check_train_resumable, _resumable(save_every_epoch=False), "after 2 finished epochs and a crash in epoch 3, there is no checkpoint at `path`"),
     (L.check_train_resumable, _resumable(keep_losses=False), "returned only the losses of the epochs after resuming"),
-    (L.check_train_resumable, _resumable(extra_epochs=True), r"it trained 20 batches \(4 epochs\), expected 10"),
+    (L.check_train_resumable, _resumable(extra_epochs=True), r"it trained 25 batches \(5 epochs\), expected 15"),
+    (L.check_train_resumable, resumable_epochs_from_checkpoint, r"epochs=5\) resumed .* trained 10 batches \(2 epochs\), expected 15: .*it stopped after epoch 4, where the crashed call was to stop"),
     (L.check_train_resumable, _resumable(step_scheduler=False), "the learning rate at the end is 0.2, expected 0.05: step the scheduler once per epoch"),
     (L.check_train_resumable, _resumable(save_before_step=True), "the scheduler had been stepped 1 time, expected 2 \\(once per finished epoch\\): save scheduler.state_dict\\(\\) after its step"),
     (L.check_train_resumable, _resumable(weights_only=False), r"torch.load\(..., weights_only=False\)"),
@@ -949,7 +947,7 @@ WRONG = [
     (L.check_train_resumable, resumable_with_course_helpers, "layout of course_utils' save_checkpoint"),
     (L.check_train_resumable, resumable_saves_on_the_way_out, "when training resumed, the weights were not those the uninterrupted run had after epoch 2"),
     (L.check_train_resumable, resumable_swallows_crashes, "let exceptions through"),
-    (L.check_train_resumable, resumable_returns_nothing, "returned None: return the list of every epoch's training loss"),
+    (L.check_train_resumable, resumable_returns_nothing, "returned None: return the list of every epoch's loss"),
     (L.check_train_resumable, resumable_tensor_losses, "returned tensors in its list"),
 ]
 
@@ -965,18 +963,16 @@ def test_every_check_has_enough_alternatives_and_wrong_answers():
         assert sum(c is check for c, _, _ in WRONG) >= 8, check.exercise_name
 
 
-def test_evaluate_hidden_data_tells_the_wrong_answers_apart():
-    """The loss and accuracy variants differ from the right values and from each other, so no diagnosis is a guess."""
-    model, inputs, targets = L._scoring_problem()
-    for _, batch_size in L.EVALUATE_CASES:
-        loader = DataLoader(torch.utils.data.TensorDataset(inputs, targets), batch_size=batch_size)
-        model.eval()
-        expected = L.evaluate_model(model, loader, F.cross_entropy)
-        loss_variants, accuracy_variants = L._evaluate_variants(model, loader)
-        for key, variants in (("loss", loss_variants), ("accuracy", accuracy_variants)):
-            values = [expected[key]] + [v for v, _ in variants]
-            assert all(not math.isclose(a, b, rel_tol=1e-4) for i, a in enumerate(values) for b in values[i + 1:]), (key, values)
-    assert 0 < expected["accuracy"] < 1
+def test_overfit_variants_differ_from_the_reference_and_each_other():
+    """Each diagnosed wrong answer gives losses unlike the right ones and unlike every other diagnosis, so none is a guess."""
+    for model, mode, inputs, targets, loss_fn, _, steps, lr in L._overfit_cases():
+        model.train(mode == "train")
+        expected = L.overfit_one_batch(__import__("copy").deepcopy(model), inputs, targets, loss_fn, steps, lr)
+        curves = [expected] + [v for v, _ in L._overfit_variants(model, inputs, targets, loss_fn, steps, lr)]
+        for i, a in enumerate(curves):
+            for b in curves[i + 1:]:
+                assert not all(math.isclose(x, y, rel_tol=1e-4) for x, y in zip(a, b))
+        assert expected[-1] < 0.5 * expected[0]  # the hidden setups do learn
 
 
 RAISING = [  # errors inside the learner's code: one line, arguments named briefly (no tensor or optimizer reprs)
@@ -985,7 +981,8 @@ RAISING = [  # errors inside the learner's code: one line, arguments named brief
     (L.check_make_adamw, lambda model, lr, wd: model(lr), r"^make_adamw: <lambda>\(model, 0.0003, 0.05\) raised"),
     (L.check_warmup_cosine, lambda opt, w, t, s, m: LinearLR(opt, start_factor=0.0), r"^warmup_cosine: <lambda>\(optimizer, 3, 11, 0.2, 0.001\) raised ValueError"),
     (L.check_accumulation_step, lambda m, b, fn, opt, mx: m(b), r"^accumulation_step: <lambda>\(model, 3 micro-batches of 6, 1, 3, F.cross_entropy, optimizer, 50\) raised TypeError"),
-    (L.check_evaluate_model, lambda m, ld, fn: m(ld), r"^evaluate_model: <lambda>\(model, loader of batches 4, 4, 3, F.cross_entropy\) raised TypeError"),
+    (L.check_overfit_one_batch, lambda m, x, y, fn, steps, lr: fn(m(x), y.float()),
+     r"^overfit_one_batch: <lambda>\(an MLP with batch norm and dropout \(train mode\), a batch of 6, F.cross_entropy, steps=20, lr=0.03\) raised RuntimeError"),
     (L.check_train_resumable, lambda m, ld, fn, opt, s, g, e, p: torch.load(p, weights_only=True),
      r"^train_resumable: <lambda>\(model, loader, F.cross_entropy, optimizer, scheduler, shuffle, 4, path\) raised FileNotFoundError"),
 ]

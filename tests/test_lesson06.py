@@ -24,8 +24,8 @@ PAIRS = [
     (L.check_run_in_float32, L.run_in_float32),
     (L.check_loss_scale_schedule, L.loss_scale_schedule),
     (L.check_amp_step, L.amp_step),
-    (L.check_save_amp_checkpoint, L.save_amp_checkpoint),
     (L.check_resume_amp, L.resume_amp),
+    (L.check_accumulate_step, L.accumulate_step),
 ]
 
 (test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line, test_hostile_answers_are_the_learners_fault,
@@ -64,17 +64,19 @@ def f32_itemsize(fn, *args):
 
 
 def f32_manual_restore(fn, *args):
-    was_on = torch.is_autocast_enabled("cpu")
-    torch.set_autocast_enabled("cpu", False)
+    device = next(a.device.type for a in args if torch.is_tensor(a))
+    was_on = torch.is_autocast_enabled(device)
+    torch.set_autocast_enabled(device, False)
     try:
         return fn(*[a.float() if torch.is_tensor(a) and a.dtype in (torch.half, torch.bfloat16) else a for a in args])
     finally:
-        torch.set_autocast_enabled("cpu", was_on)
+        torch.set_autocast_enabled(device, was_on)
 
 
 def f32_decorated(fn, *args):
+    (device,) = {a.device.type for a in args if isinstance(a, torch.Tensor)}
     args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float64 else a for a in args]
-    return torch.autocast("cpu", enabled=False)(fn)(*args)
+    return torch.autocast(device, enabled=False)(fn)(*args)
 
 
 def f32_loop(fn, *args):
@@ -83,7 +85,8 @@ def f32_loop(fn, *args):
         if isinstance(a, torch.Tensor) and a.dtype in HALF:
             a = a.type(torch.float32)
         ready.append(a)
-    with torch.autocast(args[0].device.type, enabled=False):
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    with torch.autocast(tensors[0].device.type, enabled=False):
         result = fn(*ready)
     return result
 
@@ -136,10 +139,11 @@ def f32_switched_back_on(fn, *args):
 
 
 def f32_restored_without_finally(fn, *args):
-    was_on = torch.is_autocast_enabled("cpu")
-    torch.set_autocast_enabled("cpu", False)
+    device = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+    was_on = torch.is_autocast_enabled(device)
+    torch.set_autocast_enabled(device, False)
     result = fn(*[a.float() if isinstance(a, torch.Tensor) and a.dtype in HALF else a for a in args])
-    torch.set_autocast_enabled("cpu", was_on)
+    torch.set_autocast_enabled(device, was_on)
     return result
 
 
@@ -372,94 +376,114 @@ def amp_wrong(**options):
     return lambda *args: _amp(*args, **options)
 
 
-# save_amp_checkpoint and resume_amp
+# fits_in_range, run_in_float32, loss_scale_schedule, amp_step: answers that change the caller's objects
 
-def save_with_the_training_helper(path, model, optimizer, scaler, step):
-    from course_utils.training import save_checkpoint
-    save_checkpoint(path, model=model, optimizer=optimizer, scaler=scaler.state_dict(), step=step)
-
-
-def save_step_by_step(path, model, optimizer, scaler, step):
-    checkpoint = {}
-    checkpoint["step"] = int(step)
-    checkpoint["scaler"] = dict(scaler.state_dict())
-    checkpoint["optimizer"] = optimizer.state_dict()
-    checkpoint["model"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    checkpoint["dtype"] = "float16"
-    torch.save(checkpoint, str(path))
+def fits_cast_in_place(x, dtype):
+    x.data = x.data.to(dtype)  # "converts" the caller's tensor
+    return bool(torch.isfinite(x).all())
 
 
-def save_deep_copies(path, model, optimizer, scaler, step):
-    state = {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict()),
-             "scaler": copy.deepcopy(scaler.state_dict()), "step": step}
-    with open(path, "wb") as file:
-        torch.save(state, file)
+def f32_cast_in_place(fn, *args):
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dtype in HALF:
+            a.data = a.data.float()  # the caller's tensors, converted in place
+    with torch.autocast("cpu", enabled=False):
+        return fn(*args)
 
 
-def save_wrong(**changes):
-    """save_amp_checkpoint with some entries replaced: changes maps a key to f(model, optimizer, scaler, step)."""
-    def save(path, model, optimizer, scaler, step):
-        checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step}
-        checkpoint.update({key: f(model, optimizer, scaler, step) for key, f in changes.items()})
-        torch.save(checkpoint, path)
-    return save
+def schedule_consuming_the_list(found_inf, init_scale, growth_interval):
+    scale, good, scales = init_scale, 0, []
+    while found_inf:
+        inf = found_inf.pop(0)
+        good = 0 if inf else good + 1
+        scale = scale * 0.5 if inf else scale
+        if good == growth_interval:
+            scale, good = scale * 2.0, 0
+        scales.append(scale)
+    return scales
 
 
-def save_without_the_scaler(path, model, optimizer, scaler, step):
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, path)
+def amp_cleaning_the_batch(model, inputs, targets, loss_fn, optimizer, scaler, dtype, max_norm):
+    torch.nan_to_num_(inputs)  # "cleans" the caller's batch in place
+    return L.amp_step(model, inputs, targets, loss_fn, optimizer, scaler, dtype, max_norm)
 
 
-def save_under_another_name(path, model, optimizer, scaler, step):
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "grad_scaler": scaler.state_dict(), "step": step}, path)
+def amp_guarding_the_loss_first(model, inputs, targets, loss_fn, optimizer, scaler, dtype, max_norm, *, update=False):
+    optimizer.zero_grad()
+    with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        loss = loss_fn(model(inputs), targets)
+    if not torch.isfinite(loss):  # skips before backward: no inf check for update() to read
+        if update:
+            scaler.update()
+        return False
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    ok = bool(torch.isfinite(norm))
+    if ok:
+        scaler.step(optimizer)
+    scaler.update()
+    return ok
 
 
-def save_with_pickle(path, model, optimizer, scaler, step):
-    with open(path, "wb") as file:
-        pickle.dump({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step}, file)
+def amp_guarding_the_loss_then_backing_off(model, inputs, targets, loss_fn, optimizer, scaler, dtype, max_norm):
+    """A correct alternative: on a NaN loss it backs the scale off by hand, as update() would."""
+    optimizer.zero_grad()
+    with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        loss = loss_fn(model(inputs), targets)
+    if not torch.isfinite(loss):
+        if scaler.is_enabled():
+            scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+        return False
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    ok = bool(nn.utils.clip_grad_norm_(model.parameters(), max_norm).isfinite())
+    if ok:
+        scaler.step(optimizer)
+    scaler.update()
+    return ok
 
 
-def save_nothing(path, model, optimizer, scaler, step):
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step}
+# resume_amp
 
-
-def save_after_an_update(path, model, optimizer, scaler, step):
-    scaler.update(new_scale=1024.0)
-    L.save_amp_checkpoint(path, model, optimizer, scaler, step)
-
-
-def resume_guarded(path, model, optimizer, scaler):
+def resume_checking_the_precision(path, model, optimizer, scaler):
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    if scaler.is_enabled():
-        scaler.load_state_dict(checkpoint["scaler"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
     model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    if scaler.is_enabled() and len(checkpoint["scaler"]) > 0:
+        scaler.load_state_dict(checkpoint["scaler"])
     return int(checkpoint["step"])
 
 
 def resume_from_a_file_object(path, model, optimizer, scaler):
     with open(path, "rb") as file:
-        checkpoint = torch.load(file)
-    for obj, key in ((model, "model"), (optimizer, "optimizer"), (scaler, "scaler")):
+        checkpoint = torch.load(file, weights_only=True)
+    for obj, key in ((model, "model"), (optimizer, "optimizer")):
         obj.load_state_dict(checkpoint[key])
+    try:
+        scaler.load_state_dict(checkpoint["scaler"])
+    except RuntimeError:  # "The source state dict is empty": a run without loss scaling
+        pass
     return checkpoint["step"]
 
 
-def resume_checking_keys(path, model, optimizer, scaler):
+def resume_with_get(path, model, optimizer, scaler):
     checkpoint = torch.load(Path(path), weights_only=True)
-    missing = {"model", "optimizer", "scaler", "step"} - checkpoint.keys()
-    if missing:
-        raise KeyError(missing)
     model.load_state_dict(checkpoint["model"], strict=True)
     optimizer.load_state_dict(checkpoint["optimizer"])
-    if checkpoint["scaler"]:
-        scaler.load_state_dict(checkpoint["scaler"])
+    state = checkpoint.get("scaler") or {}
+    if state:
+        scaler.load_state_dict(state)
     return checkpoint["step"]
 
 
-def _resume(path, model, optimizer, scaler, *, load=("model", "optimizer", "scaler"), ret=lambda c: c["step"]):
-    checkpoint = torch.load(path, weights_only=True)
+def _resume(path, model, optimizer, scaler, *, load=("model", "optimizer", "scaler"), guard=True, ret=lambda c: c["step"],
+            weights_only=True):
+    checkpoint = torch.load(path, weights_only=weights_only)
     objects = {"model": model, "optimizer": optimizer, "scaler": scaler}
     for key in load:
+        if key == "scaler" and guard and not checkpoint["scaler"]:
+            continue
         objects[key].load_state_dict(checkpoint[key])
     return ret(checkpoint)
 
@@ -472,7 +496,7 @@ def resume_into_a_new_scaler(path, model, optimizer, scaler):
     checkpoint = torch.load(path, weights_only=True)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
-    scaler = torch.amp.GradScaler("cpu")
+    scaler = torch.amp.GradScaler("cpu", enabled=bool(checkpoint["scaler"]))
     scaler.load_state_dict(checkpoint["scaler"])
     return checkpoint["step"]
 
@@ -484,6 +508,147 @@ def resume_scale_only(path, model, optimizer, scaler):
     if checkpoint["scaler"]:
         scaler.load_state_dict({**scaler.state_dict(), "scale": checkpoint["scaler"]["scale"]})
     return checkpoint["step"]
+
+
+def resume_resetting_to_defaults(path, model, optimizer, scaler):
+    checkpoint = torch.load(path, weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scaler.load_state_dict(checkpoint["scaler"] or torch.amp.GradScaler("cpu").state_dict())
+    return checkpoint["step"]
+
+
+def resume_enabling_the_scaler(path, model, optimizer, scaler):
+    checkpoint = torch.load(path, weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    if checkpoint["scaler"]:
+        scaler._enabled = True  # "the run had a scaler, so this one needs it too"
+        scaler.load_state_dict(checkpoint["scaler"])
+    return checkpoint["step"]
+
+
+def resume_the_whole_checkpoint_into_the_model(path, model, optimizer, scaler):
+    checkpoint = torch.load(path, weights_only=True)
+    model.load_state_dict(checkpoint)
+    return checkpoint["step"]
+
+
+# accumulate_step
+
+def accumulate_summing_the_losses(model, micro_batches, loss_fn, optimizer, scaler, dtype, max_norm):
+    """One backward of the weighted sum: the same gradients, more memory."""
+    optimizer.zero_grad()
+    n = sum(t.shape[0] for _, t in micro_batches)
+    total = 0.0
+    for inputs, targets in micro_batches:
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype in HALF):
+            total = total + loss_fn(model(inputs), targets) * targets.shape[0] / n
+    scaler.scale(total).backward()
+    scaler.unscale_(optimizer)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if not math.isfinite(norm.item()):
+        scaler.update()
+        return False
+    scaler.step(optimizer)
+    scaler.update()
+    return True
+
+
+def accumulate_with_sum_losses(model, micro_batches, loss_fn, optimizer, scaler, dtype, max_norm):
+    """Sums instead of means: each micro-batch's mean times its size, the total divided once by the count."""
+    for p in model.parameters():
+        p.grad = None
+    count = sum(len(t) for _, t in micro_batches)
+    for inputs, targets in micro_batches:
+        with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss_sum = loss_fn(model(inputs), targets) * len(targets)
+        scaler.scale(loss_sum / count).backward()
+    scaler.unscale_(optimizer)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    finite = all(bool(g.isfinite().all()) for g in grads)
+    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if finite:
+        scaler.step(optimizer)
+    scaler.update()
+    return finite
+
+
+def accumulate_on_float32_logits(model, micro_batches, loss_fn, optimizer, scaler, dtype, max_norm):
+    optimizer.zero_grad(set_to_none=False)
+    weights = [len(t) / sum(len(u) for _, u in micro_batches) for _, t in micro_batches]
+    for (inputs, targets), w in zip(micro_batches, weights):
+        with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(inputs)
+        scaler.scale(w * loss_fn(logits.float(), targets)).backward()
+    scaler.unscale_(optimizer)
+    ok = bool(torch.isfinite(nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+    if ok:
+        scaler.step(optimizer)
+    scaler.update()
+    return ok
+
+
+def accumulate_relying_on_the_scaler(model, micro_batches, loss_fn, optimizer, scaler, dtype, max_norm):
+    """No NaN guard of its own: scaler.step skips a float16 step, and a disabled scaler skips nothing."""
+    before = scaler.get_scale()
+    optimizer.zero_grad()
+    n = sum(len(t) for _, t in micro_batches)
+    for inputs, targets in micro_batches:
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = loss_fn(model(inputs), targets) * (len(targets) / n)
+        scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    return scaler.get_scale() >= before
+
+
+def _accumulate(model, micro_batches, loss_fn, optimizer, scaler, dtype, max_norm, *, weight="share", zero="once",
+                step_each=False, update_each=False, unscale_each=False, clip="after", guard=True, concat=False,
+                loss_outside=False, ret="bool"):
+    """accumulate_step with one typical mistake."""
+    if zero == "once":
+        optimizer.zero_grad()
+    total, k = sum(len(t) for _, t in micro_batches), len(micro_batches)
+    if concat:
+        micro_batches = [(torch.cat([x for x, _ in micro_batches]), torch.cat([t for _, t in micro_batches]))]
+    for inputs, targets in micro_batches:
+        if zero == "each":
+            optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(inputs)
+            loss = None if loss_outside else loss_fn(logits, targets)
+        if loss_outside:
+            loss = loss_fn(logits, targets)
+        w = {"share": len(targets) / total, "k": 1 / k, "none": 1.0}[weight] if not concat else 1.0
+        scaler.scale(loss * w).backward()
+        if unscale_each:
+            scaler.unscale_(optimizer)
+        if step_each:
+            scaler.step(optimizer)
+        if update_each:
+            scaler.update()
+    if step_each and update_each:
+        return True
+    if clip == "before":
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if not unscale_each:
+        scaler.unscale_(optimizer)
+    norm = nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    if clip == "after":
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    ok = bool(torch.isfinite(norm)) or not guard
+    if ok and not step_each:
+        scaler.step(optimizer)
+    if not update_each:
+        scaler.update()
+    return {"bool": ok, "none": None}[ret]
+
+
+def accumulate_wrong(**options):
+    return lambda *args: _accumulate(*args, **options)
 
 
 ALTERNATIVES = [
@@ -504,12 +669,13 @@ ALTERNATIVES = [
     (L.check_amp_step, amp_checking_every_gradient),
     (L.check_amp_step, amp_loss_on_float32_logits),
     (L.check_amp_step, amp_with_error_if_nonfinite),
-    (L.check_save_amp_checkpoint, save_with_the_training_helper),
-    (L.check_save_amp_checkpoint, save_step_by_step),
-    (L.check_save_amp_checkpoint, save_deep_copies),
-    (L.check_resume_amp, resume_guarded),
+    (L.check_amp_step, amp_guarding_the_loss_then_backing_off),
+    (L.check_resume_amp, resume_checking_the_precision),
     (L.check_resume_amp, resume_from_a_file_object),
-    (L.check_resume_amp, resume_checking_keys),
+    (L.check_resume_amp, resume_with_get),
+    (L.check_accumulate_step, accumulate_summing_the_losses),
+    (L.check_accumulate_step, accumulate_with_sum_losses),
+    (L.check_accumulate_step, accumulate_on_float32_logits),
 ]
 
 
@@ -529,7 +695,12 @@ WRONG = [
      "below finfo\\(dtype\\).tiny do not overflow"),
     (L.check_fits_in_range, lambda x, d: x.abs().max() <= torch.finfo(d).max, "is a tensor, expected a Python bool"),
     (L.check_fits_in_range, lambda x, d: bool(x.abs().max() <= torch.finfo(torch.float16).max), "float16's limit only"),
-    (L.check_fits_in_range, lambda x, d: True, "torch.float16\\): expected False, got True"),
+    (L.check_fits_in_range, lambda x, d: True, r"torch.float16\) returned True, expected False: \|70000\| is above torch.finfo\(torch.float16\).max = 65504"),
+    (L.check_fits_in_range, lambda x, d: bool(x.abs().max() <= torch.finfo(torch.bfloat16).max), "compared every dtype with bfloat16's limit"),
+    (L.check_fits_in_range, lambda x, d: bool(x.abs().max() <= torch.finfo(torch.float32).max), "compared every dtype with float32's limit"),
+    (L.check_fits_in_range, lambda x, d: bool(x.abs().max() <= torch.finfo(d).max) if d != torch.bfloat16 else True,
+     r"fits_in_range\(torch.tensor\(\[-3.4e\+38\]\), torch.bfloat16\) returned True, expected False: \|3.4e\+38\| is above torch.finfo\(torch.bfloat16\).max = 3.38953e\+38, so the cast gives inf"),
+    (L.check_fits_in_range, fits_cast_in_place, "changed the caller's tensor x \\(now float16"),
     (L.check_fits_in_range, lambda x, d: None, "is None: did you forget to `return` it"),
     (L.check_fits_in_range, lambda x, d: (x.abs().max() <= torch.finfo(d).max).numpy(), "is a numpy.ndarray, expected a Python bool: wrap it in bool"),
     # run_in_float32
@@ -538,17 +709,18 @@ WRONG = [
     (L.check_run_in_float32, f32_on_cuda, "autocast was still on while fn ran.*for the tensors' device type"),
     (L.check_run_in_float32, f32_casting_float64_down, r"fn received b \(float64 in the call\) as float32: cast only bfloat16 and float16"),
     (L.check_run_in_float32, f32_casting_everything, r"fn received index \(int64 in the call\) as float32"),
-    (L.check_run_in_float32, f32_detached, "does not require grad, so no gradient reaches a"),
-    (L.check_run_in_float32, f32_no_grad, "does not require grad"),
+    (L.check_run_in_float32, f32_detached, r"fn received a detached copy of a \(requires_grad=False\), so no gradient reaches the caller's a"),
+    (L.check_run_in_float32, f32_no_grad, r"gradient recording was off while fn ran \(torch.no_grad\(\) or torch.inference_mode\(\) around it\)"),
     (L.check_run_in_float32, f32_left_off, "autocast was off after your function returned"),
     (L.check_run_in_float32, f32_switched_back_on, "outside autocast: autocast was on after your function returned, though it was off before"),
     (L.check_run_in_float32, f32_restored_without_finally, "when fn raised, autocast stayed switched off in the caller"),
     (L.check_run_in_float32, f32_swallowing_errors, "when fn raised, your function returned normally"),
     (L.check_run_in_float32, f32_twice, "fn was called 2 times: call it once"),
-    (L.check_run_in_float32, f32_cast_back, "expected dtype torch.float32, got torch.bfloat16"),
+    (L.check_run_in_float32, f32_cast_back, "fn returned a float32 tensor, and your function returned it converted to bfloat16"),
     (L.check_run_in_float32, f32_float_everything, "raised AttributeError: 'float' object has no attribute 'float'"),
     (L.check_run_in_float32, f32_resetting_the_dtype, "autocast's dtype was bfloat16 after your function returned, expected float16"),
     (L.check_run_in_float32, lambda fn, *args: fn, "fn was never called"),
+    (L.check_run_in_float32, f32_cast_in_place, "the caller's tensor a is now float32, it was bfloat16: cast into new tensors"),
     (L.check_run_in_float32, f32_autocast_in_float32, r"torch.autocast\(..., dtype=torch.float32\) warned and switched itself off: switch autocast off with enabled=False"),
     # loss_scale_schedule
     (L.check_loss_scale_schedule, schedule_variant(reset_on_inf=False), "after an inf/NaN step the count of good steps starts again"),
@@ -558,7 +730,11 @@ WRONG = [
     (L.check_loss_scale_schedule, schedule_doubling_on_inf, "after step 3 \\(found_inf=True\\) the scale should be 8"),
     (L.check_loss_scale_schedule, lambda f, s, g: L.loss_scale_schedule(f, s, g)[:-1], "one scale per step"),
     (L.check_loss_scale_schedule, lambda f, s, g: None, "is None"),
-    (L.check_loss_scale_schedule, schedule_ints, r"\[True, True, False, True\], init_scale=2, growth_interval=3\): after step 1 .*should be 0.5, got 0$"),
+    (L.check_loss_scale_schedule, schedule_ints, r"\[True, True, False, True\], init_scale=2, growth_interval=3\): after step 1 the scale should be 0.5, got 0: the value was rounded down, as // and int\(\) do"),
+    (L.check_loss_scale_schedule, schedule_consuming_the_list, "changed the caller's list found_inf \\(now \\[\\]\\): only read it"),
+    (L.check_loss_scale_schedule, lambda f, s, g: [s] * len(f), ("after step 1 \\(found_inf=False\\) the scale should be 16, got 8.0: this step completes "
+                                                                 "growth_interval=2 good steps in a row .*so the scale doubles \\(growth_factor 2.0\\), from 8 to 16")),
+    (L.check_loss_scale_schedule, lambda f, s, g: [s * (0.5 if inf else 1.0) for inf in f], "after step 1 .*the scale should be 16, got 8.0: this step completes growth_interval=2"),
     (L.check_loss_scale_schedule, schedule_generator, "is a generator, expected a list of floats"),
     (L.check_loss_scale_schedule, lambda f, s, g: L.loss_scale_schedule(f, s, g)[-1] if f else [], "is a float, expected a list"),
     # amp_step
@@ -586,34 +762,45 @@ WRONG = [
                                                     "float16 logits; scaling a float16 loss by 131072, above float16's largest value "
                                                     "65504, overflows")),
     (L.check_amp_step, amp_zeroing_only_at_the_end, "float16, step 0: old gradients were still in .grad"),
-    # save_amp_checkpoint
-    (L.check_save_amp_checkpoint, save_without_the_scaler, "no 'scaler' entry.*save scaler.state_dict\\(\\)"),
-    (L.check_save_amp_checkpoint, save_under_another_name, r"no 'scaler' entry \(keys: \['grad_scaler', 'model', 'optimizer', 'step'\]\)"),
-    (L.check_save_amp_checkpoint, save_wrong(scaler=lambda m, o, s, n: s), "holds the GradScaler object itself.*save scaler.state_dict\\(\\)"),
-    (L.check_save_amp_checkpoint, save_wrong(scaler=lambda m, o, s, n: s.get_scale()), "holds only the scale"),
-    (L.check_save_amp_checkpoint, save_wrong(scaler=lambda m, o, s, n: torch.amp.GradScaler("cpu").state_dict()),
-     r"checkpoint\['scaler'\] is \{'scale': 65536.0.*expected scaler.state_dict\(\)"),
-    (L.check_save_amp_checkpoint, save_wrong(model=lambda m, o, s, n: m), "holds a model object.*model.state_dict\\(\\)"),
-    (L.check_save_amp_checkpoint, save_wrong(optimizer=lambda m, o, s, n: o), "holds an optimizer object"),
-    (L.check_save_amp_checkpoint, save_wrong(model=lambda m, o, s, n: list(m.parameters())), r"checkpoint\['model'\] is not the model's state_dict"),
-    (L.check_save_amp_checkpoint, save_wrong(step=lambda m, o, s, n: n + 1), r"checkpoint\['step'\]: expected 7, got 8"),
-    (L.check_save_amp_checkpoint, save_wrong(step=lambda m, o, s, n: torch.tensor(n)), r"checkpoint\['step'\] is a tensor, expected a Python int"),
-    (L.check_save_amp_checkpoint, save_wrong(optimizer=lambda m, o, s, n: {"state": {}, "param_groups": o.state_dict()["param_groups"]}),
-     r"checkpoint\['optimizer'\] is not the optimizer's state_dict"),
-    (L.check_save_amp_checkpoint, save_with_pickle, "cannot read the file"),
-    (L.check_save_amp_checkpoint, save_nothing, "nothing was written to the path"),
-    (L.check_save_amp_checkpoint, save_after_an_update, "changed the scaler's state"),
+    (L.check_amp_step, amp_cleaning_the_batch, "float16, step 1: the caller's inputs or targets changed"),
+    (L.check_amp_step, amp_guarding_the_loss_first, ("float16, step 1: the loss was NaN .*you skipped the step before backward, so the scale "
+                                                     "stayed 262144 instead of backing off to 131072.*run scaler.scale\\(loss\\).backward\\(\\) and unscale_ even when the loss is not finite")),
+    (L.check_amp_step, lambda *a: amp_guarding_the_loss_first(*a, update=True), ("raised AssertionError: No inf checks were recorded prior to update. "
+                                                                                 "\\(scaler.update\\(\\) needs this step's inf check.*skip only the optimizer step, then call update\\(\\)")),
     # resume_amp
-    (L.check_resume_amp, resume_wrong(load=("model", "optimizer")), "still has a fresh scaler's scale, 65536, not the saved 262144"),
-    (L.check_resume_amp, resume_into_a_new_scaler, "still has a fresh scaler's scale, 65536"),
-    (L.check_resume_amp, resume_scale_only, r"the scaler's state is \{.*'growth_interval': 2000.*expected the saved"),
+    (L.check_resume_amp, resume_wrong(guard=False), (r"path \(a bfloat16 run's checkpoint, step 4\), model, optimizer, scaler \(fresh, for a float16 run\)\) raised "
+                                                     "RuntimeError: The source state dict is empty.*load the scaler's state only when the checkpoint holds one")),
+    (L.check_resume_amp, resume_wrong(load=("model", "optimizer")),
+     r"step 7\), model, optimizer, scaler \(fresh, for a float16 run\)\): the scaler you were given still has its fresh state \(scale 4096\), not the saved one"),
+    (L.check_resume_amp, resume_into_a_new_scaler, "the scaler you were given still has its fresh state"),
+    (L.check_resume_amp, resume_scale_only, r"the scaler's 'growth_interval' is 5, saved 3: load the whole of checkpoint\['scaler'\]"),
+    (L.check_resume_amp, resume_resetting_to_defaults, r"bfloat16 run's checkpoint, step 4\), .*: this checkpoint holds no scaler state .*should stay as it was, \{'scale': 4096.0"),
     (L.check_resume_amp, resume_wrong(load=("model", "scaler")), "the optimizer's state .* is not the saved one"),
     (L.check_resume_amp, resume_wrong(load=("optimizer", "scaler")), "the model's weights are not the saved ones"),
-    (L.check_resume_amp, resume_wrong(ret=lambda c: c["step"] + 1), "returned 6, expected 5: return the step stored in the checkpoint"),
+    (L.check_resume_amp, resume_wrong(weights_only=False), r"read the file with torch.load\(..., weights_only=False\), which runs whatever code"),
+    (L.check_resume_amp, resume_wrong(ret=lambda c: c["step"] + 1), "returned 8, expected 7: return the step stored in the checkpoint"),
     (L.check_resume_amp, resume_wrong(ret=lambda c: None), "is None: did you forget to `return` it"),
-    (L.check_resume_amp, resume_wrong(ret=lambda c: torch.tensor(c["step"])), "returned a tensor, expected the Python int 5"),
+    (L.check_resume_amp, resume_wrong(ret=lambda c: torch.tensor(c["step"])), "returned a tensor, expected the Python int 7"),
     (L.check_resume_amp, resume_wrong(ret=lambda c: c), "is a dict .*expected an int"),
-    (L.check_resume_amp, resume_wrong(ret=lambda c: float(c["step"])), "is a float \\(5.0\\), expected an int"),
+    (L.check_resume_amp, resume_the_whole_checkpoint_into_the_model, r"raised RuntimeError: Error\(s\) in loading state_dict.*each object takes its own entry"),
+    # accumulate_step
+    (L.check_accumulate_step, accumulate_wrong(weight="k"), (r"float16, step 0 \(3 micro-batches of \[6, 6, 3\] rows\): each micro-batch's loss was divided by "
+                                                             r"the number of micro-batches, 3, which weights every sample of a smaller micro-batch more")),
+    (L.check_accumulate_step, accumulate_wrong(weight="none"), "the 3 micro-batch losses were added up unweighted"),
+    (L.check_accumulate_step, accumulate_wrong(zero="each"), "the gradients were cleared before each micro-batch, so only the last one counted"),
+    (L.check_accumulate_step, accumulate_wrong(zero="never"), r"old gradients were still in .grad: clear them once"),
+    (L.check_accumulate_step, accumulate_wrong(clip="none"), "the gradients were not clipped"),
+    (L.check_accumulate_step, accumulate_wrong(clip="before"), "float16, step .*clipped while still scaled: call scaler.unscale_\\(optimizer\\) once, after the last micro-batch"),
+    (L.check_accumulate_step, accumulate_wrong(step_each=True, update_each=True), "the optimizer stepped 3 times in one call: step once"),
+    (L.check_accumulate_step, accumulate_wrong(update_each=True), r"raised AssertionError: No inf checks were recorded prior to update. \(scaler.update\(\) ran before this step's scaler.unscale_\(optimizer\): update once per step"),
+    (L.check_accumulate_step, accumulate_wrong(unscale_each=True), r"raised RuntimeError: unscale_\(\) has already been called on this optimizer since the last update\(\). \(unscale_ once per step, after the last micro-batch"),
+    (L.check_accumulate_step, accumulate_wrong(guard=False), "float16, step 2 .*the loss of one micro-batch was NaN .*rightly skipped, but you returned True"),
+    (L.check_accumulate_step, accumulate_relying_on_the_scaler,
+     r"bfloat16, step 4 .*the loss of one micro-batch was NaN .*and the optimizer stepped anyway: a disabled scaler skips nothing"),
+    (L.check_accumulate_step, accumulate_wrong(concat=True), r"the model ran on \[15\] rows at a time: run it on each micro-batch on its own \(\[6, 6, 3\] rows\)"),
+    (L.check_accumulate_step, accumulate_wrong(loss_outside=True), "float16, step 0 .*the loss came out float16: it was computed outside autocast"),
+    (L.check_accumulate_step, accumulate_wrong(ret="none"), "returned None, expected a Python bool"),
+    (L.check_accumulate_step, lambda model, micro, *rest: L.accumulate_step(model, micro[:1], *rest), r"the model ran on batches of \[6\] rows, expected one call per micro-batch, \[6, 6, 3\]"),
 ]
 
 
@@ -635,7 +822,8 @@ RAISING = [  # errors inside the learner's code: one line, arguments named brief
     (L.check_fits_in_range, lambda x, d: x.abs().max() <= d.max, r"^fits_in_range: <lambda>\(torch.tensor\(\[0.5, -3.0, 0.0010000000474974513\]\), torch.float16\) raised AttributeError"),
     (L.check_run_in_float32, lambda fn, *a: fn(*a[:2]), r"^run_in_float32: run_in_float32\(fn, a \(bfloat16\), b \(bfloat16\), index \(int64\), 0.5\) raised TypeError: fn takes 4 arguments"),
     (L.check_amp_step, lambda m, x, y, f, o, s, d, n: s.step(), r"^amp_step: amp_step\(model, inputs, targets, F.cross_entropy, optimizer, scaler \(enabled\), torch.float16, max_norm=0.5\) raised TypeError"),
-    (L.check_resume_amp, lambda path, m, o, s: torch.load(path)["epoch"], r"^resume_amp: resume_amp\(path, model, optimizer, scaler \(fresh\)\) raised KeyError"),
+    (L.check_resume_amp, lambda path, m, o, s: torch.load(path)["epoch"], r"^resume_amp: resume_amp\(path \(a float16 run's checkpoint, step 7\), model, optimizer, scaler \(fresh, for a float16 run\)\) raised KeyError"),
+    (L.check_accumulate_step, lambda m, micro, *rest: m(torch.cat(micro)), r"^accumulate_step: accumulate_step\(model, 3 micro-batches of 6, 6, 3 rows, .*\) raised TypeError"),
 ]
 
 
@@ -762,18 +950,49 @@ def _notebook() -> nbformat.NotebookNode:
 
 
 def test_no_deprecated_amp_call_in_code():
-    """torch.cuda.amp / torch.cpu.amp are named in markdown prose only: no code cell calls them."""
+    """torch.cuda.amp / torch.cpu.amp are called only in Pitfall 1, inside a block that catches their warnings."""
     for cell in _notebook().cells:
-        if cell.cell_type == "code":
-            for spelling in ("torch.cuda.amp.", "torch.cpu.amp."):
-                assert spelling not in cell.source, cell.source.splitlines()[0]
+        if cell.cell_type != "code":
+            continue
+        calls = [line for line in cell.source.splitlines() if "torch.cuda.amp." in line or "torch.cpu.amp." in line]
+        if calls:
+            assert cell.source.startswith("# 1. and 2. The deprecated spellings"), cell.source.splitlines()[0]
+            block = cell.source.split("with warnings.catch_warnings(record=True) as caught:", 1)[1].split("\nfor warning", 1)[0]
+            assert all(line in block for line in calls)
 
 
 def test_the_learner_writes_the_central_apis():
     """The issue's list: the learner writes scaler.state_dict() into a checkpoint, loads it back, and a float32 region."""
     solutions = {tag.split(":", 1)[1]: cell.source for cell in _notebook().cells
                  for tag in cell.metadata.get("tags", []) if tag.startswith("exercise:")}
-    assert "scaler.state_dict()" in solutions["save_amp_checkpoint"]
-    assert "load_state_dict" in solutions["resume_amp"]
+    assert "load_state_dict" in solutions["resume_amp"] and "weights_only=True" in solutions["resume_amp"]
+    assert "unscale_" in solutions["accumulate_step"] and "scaler.scale" in solutions["accumulate_step"]
     assert "enabled=False" in solutions["run_in_float32"]
     assert "unscale_" in solutions["amp_step"] and "clip_grad_norm_" in solutions["amp_step"]
+
+
+def test_a_float16_loss_skips_the_first_step_and_caps_the_scale():
+    """Pitfall 8: a float16 loss outside autocast skips step 0 and every attempt to grow back to 2**16, nothing else."""
+    def float16_loss(logits, targets):
+        with torch.autocast("cpu", enabled=False):
+            return F.cross_entropy(logits, targets)
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=3)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    used = []
+    for _ in range(12):
+        used.append((scaler.get_scale(), L.amp_step(model, x, y, float16_loss, optimizer, scaler, torch.float16, 1.0)))
+    assert [i for i, (_, taken) in enumerate(used) if not taken] == [0, 4, 8]
+    assert max(scale for scale, taken in used if taken) == 2.0 ** 15
+
+
+def test_float16_zones_round_to_nearest():
+    """Below half the smallest subnormal a value becomes 0; at or above it, it survives (the text of section 1)."""
+    smallest = 2.0 ** -24
+    values = torch.tensor([smallest * 0.49, smallest * 0.51, 1e-5, 1.0, 7e4], dtype=torch.float64)
+    assert values.half().tolist()[:2] == [0.0, smallest]
+    zones = L.float16_zones(values)
+    assert zones == {"become 0": 0.2, "subnormal": 0.4, "normal": 0.2, "inf": 0.2}

@@ -25,7 +25,7 @@ PAIRS = [
     (L.check_masked_mean_pool, L.masked_mean_pool),
     (L.check_compile_with_eager_monitors, L.compile_with_eager_monitors),
     (L.check_bucketed_predict, L.bucketed_predict),
-    (L.check_compile_blocks, L.compile_blocks),
+    (L.check_compile_repeated_blocks, L.compile_repeated_blocks),
 ]
 
 (test_reference_passes, test_stub_is_not_attempted, test_bad_input_is_one_named_line, test_hostile_answers_are_the_learners_fault,
@@ -395,81 +395,117 @@ def bucketed_float64_padding(model, batch, buckets):
     return torch.cat([run_padded(model, c, smallest(buckets, len(c)), pad_dtype=torch.float64) for c in batch.split(max(buckets))])
 
 
-# compile_blocks
+# compile_for_serving: the original model returned after warming up the compiled one
 
-def blocks_forward_attribute(model):
-    for block in model.blocks:
-        block.forward = torch.compile(block.forward)
+def serve_returning_the_original(model, example, mode):
+    model.eval()
+    compiled = torch.compile(model, mode=mode, fullgraph=True)
+    with torch.no_grad():
+        compiled(example)
     return model
 
 
-def blocks_sharing_one_compiled_function(model):
-    forward = torch.compile(type(model.blocks[0]).forward)
-    for block in model.blocks:
-        block.forward = types.MethodType(forward, block)
-    return model
+# compile_repeated_blocks
+
+def stacks_by_recursion(model):
+    found = []
+
+    def visit(module, prefix):
+        children = list(module.named_children())
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) > 1 and all(type(c) is type(children[0][1]) for _, c in children):
+            for _, block in children:
+                block.forward = torch.compile(block.forward)
+            found.append(prefix)
+        for name, child in children:
+            visit(child, f"{prefix}.{name}" if prefix else name)
+
+    visit(model, "")
+    return found
 
 
-def blocks_by_index(model):
-    for i in range(len(model.blocks)):
-        model.blocks[i].compile(dynamic=False)
-    return model
+def stacks_sharing_one_compiled_function(model):
+    names, compiled = [], {}
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        kinds = {type(block) for block in module}
+        if len(module) >= 2 and len(kinds) == 1:
+            cls = kinds.pop()
+            compiled.setdefault(cls, torch.compile(cls.forward))
+            for block in module:
+                block.forward = types.MethodType(compiled[cls], block)
+            names.append(name)
+    return names
 
 
-def blocks_whole_model_wrapped(model):
-    return torch.compile(model)
+def stacks_by_class_names(model):
+    names = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in ("ModuleList", "Sequential"):
+            classes = [type(b).__name__ for b in module.children()]
+            if len(classes) >= 2 and len(set(classes)) == 1:
+                for block in module.children():
+                    block.compile(dynamic=False)
+                names.append(name)
+    return names
 
 
-def blocks_whole_model_in_place(model):
+def _stacks(model, *, kinds=(nn.ModuleList, nn.Sequential), same_class=True, at_least=2, top_level=False, compile_container=False,
+            ret="names", order=lambda names: names):
+    names = []
+    items = model.named_children() if top_level else model.named_modules()
+    for name, module in items:
+        blocks = list(module.children())
+        if isinstance(module, kinds) and len(blocks) >= at_least and (not same_class or len({type(b) for b in blocks}) == 1):
+            if compile_container:
+                module.compile()
+            else:
+                for block in blocks:
+                    block.compile()
+            names.append(name)
+    return {"names": order(names), "model": model, "blocks": [f"{n}.{i}" for n in names for i in range(len(list(dict(model.named_modules())[n].children())))]}[ret]
+
+
+def stacks_wrong(**options):
+    return lambda model: _stacks(model, **options)
+
+
+def stacks_replaced_by_wrappers(model):
+    names = []
+    for name, module in model.named_modules():
+        if L.is_stack(module):
+            for i, block in enumerate(list(module.children())):
+                module[i] = torch.compile(block)
+            names.append(name)
+    return names
+
+
+def stacks_class_patched(model):
+    names = []
+    for name, module in model.named_modules():
+        if L.is_stack(module):
+            cls = type(next(module.children()))
+            cls.forward = torch.compile(cls.forward)
+            names.append(name)
+    return names
+
+
+def stacks_by_compiling_the_model(model):
     model.compile()
-    return model
+    return [name for name, module in model.named_modules() if L.is_stack(module)]
 
 
-def blocks_replaced_by_wrappers(model):
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = torch.compile(block)
-    return model
+def stacks_in_a_new_model(model):
+    L.compile_repeated_blocks(model)
+    return nn.Sequential(model)
 
 
-def blocks_first_only(model):
-    model.blocks[0].compile()
-    return model
-
-
-def blocks_module_list(model):
-    model.blocks.compile()
-    return model
-
-
-def blocks_class_patched(model):
-    cls = type(model.blocks[0])
-    cls.forward = torch.compile(cls.forward)
-    return model
-
-
-def blocks_without_return(model):
-    for block in model.blocks:
-        block.compile()
-
-
-def blocks_layers_inside(model):
-    for block in model.blocks:
-        for layer in block.children():
-            layer.compile()
-    return model
-
-
-def blocks_and_head(model):
-    for block in model.blocks:
-        block.compile()
-    model.head.compile()
-    return model
-
-
-def blocks_in_a_new_model(model):
-    for block in model.blocks:
-        block.compile()
-    return nn.Sequential(model.embed, *model.blocks, model.head)
+def stacks_compiled_twice(model):
+    names = L.compile_repeated_blocks(model)
+    for name in names:
+        for block in dict(model.named_modules())[name].children():
+            block.compile()
+    return names
 
 
 ALTERNATIVES = [
@@ -487,9 +523,9 @@ ALTERNATIVES = [
     (L.check_bucketed_predict, bucketed_with_f_pad),
     (L.check_bucketed_predict, bucketed_padding_in_front),
     (L.check_bucketed_predict, bucketed_repeating_the_last_row),
-    (L.check_compile_blocks, blocks_forward_attribute),
-    (L.check_compile_blocks, blocks_sharing_one_compiled_function),
-    (L.check_compile_blocks, blocks_by_index),
+    (L.check_compile_repeated_blocks, stacks_by_recursion),
+    (L.check_compile_repeated_blocks, stacks_sharing_one_compiled_function),
+    (L.check_compile_repeated_blocks, stacks_by_class_names),
 ]
 
 
@@ -516,6 +552,7 @@ WRONG = [
     (L.check_compile_for_serving, serve_compiling_in_forward, "torch.compile ran again while the model ran"),
     (L.check_compile_for_serving, lambda model, example, mode: L.compile_for_serving(copy.deepcopy(model), example, mode), "its own copy of the weights"),
     (L.check_compile_for_serving, lambda model, example, mode: L.compile_for_serving(model, example, mode).forward, "expected the compiled module"),
+    (L.check_compile_for_serving, serve_returning_the_original, "the module you returned ran no compiled code when the server called it"),
     # masked_mean_pool
     (L.check_masked_mean_pool, pool_with_breaks, "fullgraph=True, Dynamo breaks the graph at `if keep.any\\(\\):`: Data-dependent branching \\(a Python `if`"),
     (L.check_masked_mean_pool, pool_without_print, "fullgraph=True, Dynamo breaks the graph at `if keep.any\\(\\):`: Data-dependent branching"),
@@ -553,18 +590,22 @@ WRONG = [
     (L.check_bucketed_predict, bucketed_row_by_row, "a batch of 5 ran the model at size 1, not a bucket size"),
     (L.check_bucketed_predict, bucketed_equal_chunks, "a batch of 70 ran the model at sizes \\[32, 32, 32\\], expected \\[32, 32, 16\\]"),
     (L.check_bucketed_predict, bucketed_float64_padding, "raised RuntimeError"),
-    # compile_blocks
-    (L.check_compile_blocks, blocks_whole_model_wrapped, "you compiled the whole model"),
-    (L.check_compile_blocks, blocks_whole_model_in_place, "you compiled the whole model"),
-    (L.check_compile_blocks, blocks_replaced_by_wrappers, "state_dict keys changed \\(e.g. 'blocks.0._orig_mod.norm.weight'\\)"),
-    (L.check_compile_blocks, blocks_first_only, "only 1 of the 5 blocks ran compiled code"),
-    (L.check_compile_blocks, blocks_module_list, "only 0 of the 5 blocks ran compiled code"),
-    (L.check_compile_blocks, blocks_class_patched, "changed the block class itself"),
-    (L.check_compile_blocks, blocks_without_return, "returned None: return the model"),
-    (L.check_compile_blocks, blocks_layers_inside, "15 compiled graphs ran for 5 blocks"),
-    (L.check_compile_blocks, blocks_and_head, "6 compiled graphs ran for 5 blocks"),
-    (L.check_compile_blocks, blocks_in_a_new_model, "returned another module \\(Sequential\\)"),
-    (L.check_compile_blocks, lambda model: model, "torch.compile was never called"),
+    # compile_repeated_blocks
+    (L.check_compile_repeated_blocks, stacks_by_compiling_the_model, "you compiled the whole model"),
+    (L.check_compile_repeated_blocks, stacks_wrong(kinds=(nn.ModuleList,)), r"the blocks of decoder \(2 _DecoderBlocks\) were not compiled: a stack can be an nn.Sequential"),
+    (L.check_compile_repeated_blocks, stacks_wrong(top_level=True), r"the blocks of encoder.layers \(3 _EncoderBlocks\) were not compiled: look at every module, at any depth"),
+    (L.check_compile_repeated_blocks, stacks_wrong(same_class=False), r"you compiled heads.0: heads holds modules of different classes \(Linear, Sequential\)"),
+    (L.check_compile_repeated_blocks, stacks_wrong(at_least=1, same_class=False, kinds=(nn.ModuleList,)), r"you compiled refine.0: refine holds a single module: nothing repeats"),
+    (L.check_compile_repeated_blocks, stacks_wrong(compile_container=True), "you compiled the stack encoder.layers as one module"),
+    (L.check_compile_repeated_blocks, stacks_wrong(ret="model"), r"returned .*Net, expected a list of names, \['encoder.layers', 'decoder'\]"),
+    (L.check_compile_repeated_blocks, stacks_wrong(ret="blocks"), "the names of the stacks \\(the containers\\), not of their blocks"),
+    (L.check_compile_repeated_blocks, stacks_wrong(order=lambda names: sorted(names)), r"returned \['decoder', 'encoder.layers'\].*in the order model.named_modules\(\) visits them"),
+    (L.check_compile_repeated_blocks, stacks_replaced_by_wrappers, r"state_dict keys changed \(e.g. 'encoder.layers.0._orig_mod.norm.weight'\)"),
+    (L.check_compile_repeated_blocks, stacks_class_patched, "you changed the class _EncoderBlock itself"),
+    (L.check_compile_repeated_blocks, stacks_wrong(at_least=1), r"you compiled refine.0: refine holds a single module: nothing repeats"),
+    (L.check_compile_repeated_blocks, stacks_in_a_new_model, r"returned .*Sequential, expected a list of names"),
+    (L.check_compile_repeated_blocks, stacks_compiled_twice, "torch.compile was called 10 times for 5 blocks: compile each block once"),
+    (L.check_compile_repeated_blocks, lambda model: [], "the blocks of encoder.layers \\(3 _EncoderBlocks\\) were not compiled"),
 ]
 
 
@@ -586,7 +627,7 @@ RAISING = [  # errors inside the learner's code: one line, arguments named brief
     (L.check_masked_mean_pool, lambda h, mask: h @ mask, r"^masked_mean_pool: <lambda>\(h \(3, 5, 4\) with a partly padded row.*\) raised RuntimeError"),
     (L.check_compile_with_eager_monitors, lambda model: model.missing, r"^compile_with_eager_monitors: <lambda>\(a model with 2 ActivationMonitors\) raised AttributeError"),
     (L.check_bucketed_predict, lambda model, batch, buckets: model(batch[:, :2]), r"^bucketed_predict: <lambda>\(model, batch of shape \(5, 5\), buckets=\(4, 16, 32\)\) raised RuntimeError"),
-    (L.check_compile_blocks, lambda model: model.blocks[9], r"^compile_blocks: <lambda>\(a model with 5 blocks in model.blocks\) raised IndexError"),
+    (L.check_compile_repeated_blocks, lambda model: model.blocks[0], r"^compile_repeated_blocks: <lambda>\(a model with stacks of repeated blocks\) raised AttributeError"),
 ]
 
 
@@ -637,10 +678,10 @@ def test_a_check_undoes_a_class_patch():
     with pytest.raises(ExerciseFailed):
         L.check_compile_with_eager_monitors(monitors_disabled_on_the_class)
     assert L.ActivationMonitor.__dict__["forward"] is forward
-    block_forward = L._Block.__dict__["forward"]
+    block_forward = L._EncoderBlock.__dict__["forward"]
     with pytest.raises(ExerciseFailed):
-        L.check_compile_blocks(blocks_class_patched)
-    assert L._Block.__dict__["forward"] is block_forward
+        L.check_compile_repeated_blocks(stacks_class_patched)
+    assert L._EncoderBlock.__dict__["forward"] is block_forward
 
 
 @pytest.mark.parametrize("check, reference", PAIRS, ids=[r.__name__ for _, r in PAIRS])
@@ -743,3 +784,71 @@ def test_the_checks_share_the_notebooks_monitor_class():
     from course_utils.tooling.checkcell import fresh_lesson
 
     assert fresh_lesson("07").ActivationMonitor is ActivationMonitor
+
+
+def test_a_break_in_a_loop_skips_only_that_frame():
+    """What section 4 teaches: a break in a loop leaves that frame eager, but a function it calls is compiled whole."""
+    layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+    log = torch.compiler.disable(lambda h: None)
+
+    def body(layer, h):
+        return torch.tanh(layer(h)) * 2
+
+    def inline(x):
+        for layer in layers:
+            x = torch.tanh(layer(x)) * 2
+            log(x)
+        return x.sum()
+
+    def calling(x):
+        for layer in layers:
+            x = body(layer, x)
+            log(x)
+        return x.sum()
+
+    graphs = {}
+    for fn in (inline, calling):
+        torch.compiler.reset()
+        ops = []
+
+        def counting(gm, example_inputs):
+            ops.append([getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"])
+            return gm.forward
+
+        torch.compile(fn, backend=counting)(torch.randn(4, 6))
+        graphs[fn.__name__] = ops
+    torch.compiler.reset()
+    assert graphs["inline"] == []
+    assert graphs["calling"] and all(g == ["linear", "tanh", "mul"] for g in graphs["calling"])
+
+
+def test_the_stances_the_lesson_shows():
+    """set_stance: force_eager captures nothing; fail_on_recompile runs cached graphs and refuses a new size."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compiler.reset()
+    compiled = torch.compile(lambda x: torch.tanh(x) * 2 + 1, backend=counting, dynamic=False)
+    with torch.compiler.set_stance("force_eager"):
+        compiled(torch.randn(8, 4))
+    assert graphs == []
+    compiled(torch.randn(8, 4))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        compiled(torch.randn(8, 4))
+        with pytest.raises(RuntimeError, match="Detected recompile when torch.compile stance is 'fail_on_recompile'"):
+            compiled(torch.randn(16, 4))
+    assert len(graphs) == 1
+    torch.compiler.reset()
+
+
+def test_core_aten_is_a_small_part_of_aten():
+    """The counts the lesson prints come from the dispatcher: core ATen operators are a small subset of ATen's."""
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")]
+    bases = {n.split("::")[1].split(".")[0] for n in names}
+    core = {op for op in bases if any(torch.Tag.core in getattr(getattr(torch.ops.aten, op), ov).tags
+                                      for ov in getattr(torch.ops.aten, op).overloads())}
+    assert len(bases) > 1000 and 100 < len(core) < 300
+    assert {"addmm", "permute", "sigmoid", "mul", "native_layer_norm"} <= core and not {"linear", "silu", "layer_norm"} & core

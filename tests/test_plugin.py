@@ -79,7 +79,8 @@ def test_failing_exercise_code_is_blamed_in_check(pytester):
     result, report = run(pytester, STAND_INS, code, check)
     result.assert_outcomes(passed=1, failed=2)
     result.stdout.fnmatch_lines(["*exercise foo (your code) FAILED*", "*check foo FAILED*"])
-    assert exercises(report) == {"foo": {"status": "failed", "reason": "your code cell raised ZeroDivisionError: division by zero"}}
+    assert exercises(report) == {"foo": {"status": "failed", "reason": "your cell for `foo` raised ZeroDivisionError at line 4 "
+                                                           "(division by zero): fix it and run that cell again"}}
 
 
 def test_failure_outside_exercise_skips_rest(pytester):

@@ -34,6 +34,18 @@ def test_a_check_run_in_the_work_folder_is_recorded(work, monkeypatch):
     assert records["01"][name]["status"] == "failed"
     assert records["01"][name]["reason"] == "wrong values"
     assert abs(records["01"][name]["time"] - time.time()) < 60
+    assert records["01"][name]["by"] == "notebook"  # judged in the kernel, saved or not
+
+
+def test_newer_in_notebook_compares_the_saved_files_verdict_with_the_notebooks_later_one(work):
+    saved = time.time() - 100
+    progress.save_verdicts(work, "01", [Verdict("a", "passed"), Verdict("b", "failed", "x"), Verdict("c", "passed")],
+                           by=progress.NOTEBOOK)
+    progress.save_verdicts(work, "01", [Verdict("d", "passed")])  # by the checker: the saved file's own verdict
+    judged = [Verdict("a", "not attempted", "x"), Verdict("b", "not attempted", "x"), Verdict("c", "passed"),
+              Verdict("d", "failed", "x")]
+    assert progress.newer_in_notebook(work, "01", judged, saved) == ["a", "b"]  # c is no worse; d was not the notebook's
+    assert progress.newer_in_notebook(work, "01", judged, time.time() + 100) == []  # saved since: the file is the newer
 
 
 def test_a_check_run_elsewhere_is_kept_for_the_session_only(work, monkeypatch, tmp_path):
@@ -94,7 +106,8 @@ def test_a_malformed_record_is_set_aside_with_one_line(work, capsys, content):
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"{work / '.progress.json'} was ") and f"so it was set aside as {kept.name}; progress is recorded afresh" in err
     progress.save_verdicts(work, "03", [Verdict("a", "passed")])
-    assert progress.load_records(work) == {"03": {"a": {"status": "passed", "reason": "", "time": progress.load_records(work)["03"]["a"]["time"]}}}
+    assert progress.load_records(work) == {"03": {"a": {"status": "passed", "reason": "", "by": "check",
+                                                        "time": progress.load_records(work)["03"]["a"]["time"]}}}
 
 
 @pytest.mark.parametrize("content", MALFORMED.values(), ids=MALFORMED.keys())

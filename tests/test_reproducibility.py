@@ -1,12 +1,18 @@
 """course_utils.reproducibility: seeding and deterministic mode."""
 
 import os
+import platform
 import random
+import subprocess
+import sys
+from pathlib import Path
 
+import nbformat
 import numpy as np
 import pytest
 import torch
 
+from course_utils import reproducibility
 from course_utils.reproducibility import deterministic, seed_everything, set_deterministic
 
 
@@ -103,3 +109,31 @@ def test_set_deterministic_keeps_a_user_cublas_setting(monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     set_deterministic(True)
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+def test_same_kernels_env_pins_the_cpu_kernels_on_x86_with_avx2(monkeypatch):
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    env = reproducibility.same_kernels_env()
+    if platform.machine().lower() in ("x86_64", "amd64") and "avx2" in Path("/proc/cpuinfo").read_text().split():
+        assert env == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    else:
+        assert env == {}
+
+
+def test_same_kernels_env_leaves_a_chosen_capability_alone(monkeypatch):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert reproducibility.same_kernels_env() == {}
+
+
+def test_a_strict_nbval_kernel_runs_on_the_pinned_kernels(tmp_path):
+    """Under --nbval (outputs compared) the kernels get the pinning; torch then reports AVX2 as its capability."""
+    if not reproducibility.same_kernels_env():
+        pytest.skip("not an x86-64 machine with AVX2")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import os, torch\nprint(os.environ['MKL_CBWR'], torch.backends.cpu.get_cpu_capability())",
+        execution_count=1, outputs=[nbformat.v4.new_output("stream", name="stdout", text="AVX2 AVX2\n")])])
+    path = tmp_path / "pinned.ipynb"
+    nbformat.write(nb, path)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval", "--nbval-current-env", str(path)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:]

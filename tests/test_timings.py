@@ -4,7 +4,7 @@ import nbformat
 import pytest
 
 from course_utils.tooling import studytime, timings
-from course_utils.tooling.layout import source_notebooks
+from course_utils.tooling.layout import exercises, source_notebooks
 
 
 def test_write_readme_replaces_only_the_marked_table(tmp_path):
@@ -23,7 +23,7 @@ def test_write_readme_needs_the_markers(tmp_path):
 
 def test_lesson_facts_count_exercises_and_gpu_cells():
     facts = timings.lesson_facts(next(s for s in source_notebooks() if s.name.startswith("01_")))
-    assert facts["name"] == "01 tensors" and facts["exercises"] == 7 and facts["gpu"] == 1
+    assert facts["name"] == "01 tensors" and facts["exercises"] == len(exercises("01")) >= 5 and facts["gpu"] == 1
     assert facts["topics"]
 
 

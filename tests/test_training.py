@@ -72,6 +72,19 @@ def test_early_stopping_and_best_checkpoint(tmp_path, capsys):
     assert torch.load(tmp_path / "best.pt", weights_only=True)["epoch"] == 1
 
 
+def test_best_checkpoint_holds_the_loaders_generator(tmp_path):
+    """fit's checkpoint restores the shuffle order of the epochs after the best one, not only the weights."""
+    model, optimizer, scheduler, generator, loader = setup()
+    fit(model, loader, loader, nn.functional.cross_entropy, optimizer, epochs=2, scheduler=scheduler,
+        best_path=tmp_path / "best.pt", log=None)
+    checkpoint = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert {"epoch", "model", "optimizer", "scheduler", "rng"} <= set(checkpoint)
+    assert {"python", "numpy", "torch", "generator"} <= set(checkpoint["rng"])
+    other = torch.Generator().manual_seed(99)
+    load_checkpoint(tmp_path / "best.pt", model=model, generator=other)
+    assert torch.equal(other.get_state(), checkpoint["rng"]["generator"])
+
+
 def test_rng_state_round_trip():
     generator = torch.Generator().manual_seed(3)
     state = rng_state(generator)

@@ -10,6 +10,8 @@
 - grade, gradebook: a class graded (each submission in a sandbox), and the gradebook's tables, page and feedback;
 - sandbox: the bubblewrap sandbox a graded submission runs in;
 - tamper: a static scan of a submission for routes to fool the checker, named for review;
+- autograder: a Gradescope autograder zip per lesson, and what its run_autograder runs (grade's grader, results.json);
+- publish: the repository URL, each lesson's Colab/Kaggle set-up cell and badges (course_utils.hosted runs there);
 - timings, classroom: the README's course map, static HTML for a classroom;
 - cli: `python -m course_utils ...`.
 """

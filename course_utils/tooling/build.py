@@ -10,10 +10,14 @@ and the lesson's number in its metadata. Learners never work in it: their own
 copies live in work/ (course_utils.tooling.workspace), which no build touches.
 """
 
+import contextlib
 import copy
+import os
 import re
 from pathlib import Path, PurePosixPath
+from typing import Iterator
 
+from course_utils.tooling import publish
 from course_utils.tooling.layout import learner_path, lesson_of_path, source_notebooks, write_atomic
 
 BEGIN = "### BEGIN SOLUTION"
@@ -126,6 +130,9 @@ def learner_copy(nb):
         cell.execution_count = None
         tags = [t for t in cell.metadata.get("tags", []) if not t.startswith(SOURCE_ONLY_TAGS)]
         cell.metadata = {"tags": tags} if tags else {}
+    for cell in learner.cells:  # the badges open the learner's copy, not the solution copy
+        if publish.BADGES_TAG in cell.metadata.get("tags", []):
+            cell.source = publish.learner_badges(cell.source)
     learner.metadata.pop("widgets", None)
     return learner
 
@@ -134,15 +141,19 @@ def execute(nb, path: Path) -> None:
     """Run a notebook top to bottom in its own folder, storing fresh outputs in `nb`.
 
     The kernel runs as under the checker (COURSE_CHECKER=1), so that the stored outputs are the
-    ones nbval compares with: a check prints its PASS line instead of displaying it.
+    ones nbval compares with: a check prints its PASS line instead of displaying it. Its work
+    folder (COURSE_WORK_DIR) is a new empty one, so that what a cell shows of a learner's work
+    (lesson 00's progress table) is a fresh clone's, never the builder's own work/. Its CPU kernels
+    are those strict nbval pins (course_utils.reproducibility.same_kernels_env).
     """
-    import os
+    import tempfile
 
     from nbclient import NotebookClient
 
-    previous = os.environ.get("COURSE_CHECKER")
-    os.environ["COURSE_CHECKER"] = "1"
-    try:
+    from course_utils.reproducibility import same_kernels_env
+
+    with tempfile.TemporaryDirectory(prefix="course-build-work-") as empty, \
+            _environment(COURSE_CHECKER="1", COURSE_WORK_DIR=str(Path(empty) / "work"), **same_kernels_env()):
         NotebookClient(
             nb,
             timeout=600,
@@ -150,12 +161,22 @@ def execute(nb, path: Path) -> None:
             record_timing=False,
             resources={"metadata": {"path": str(path.parent)}},
         ).execute()
-    finally:
-        if previous is None:
-            os.environ.pop("COURSE_CHECKER", None)
-        else:
-            os.environ["COURSE_CHECKER"] = previous
     coalesce_streams(nb)
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Set environment variables (inherited by the kernel) for the block, then restore them."""
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def coalesce_streams(nb) -> None:
@@ -183,7 +204,10 @@ def stamp_lesson(nb, source: Path) -> None:
 
 
 def build(sources: list[Path] | None = None, *, run: bool = False) -> list[Path]:
-    """Tag (and optionally re-execute) each source notebook and write its learner copy; return the copies written."""
+    """Tag each source notebook, refresh its hosted set-up cell and badges, optionally re-execute it, and write its learner copy.
+
+    Returns the learner copies written.
+    """
     import nbformat  # imported here: it costs the checker's command line over a second
 
     written = []
@@ -191,6 +215,7 @@ def build(sources: list[Path] | None = None, *, run: bool = False) -> list[Path]
         nb = nbformat.read(source, as_version=4)
         stamp_lesson(nb, source)
         tag_source(nb)
+        publish.refresh(nb, source)  # the Colab and Kaggle set-up cell and badges, from pyproject.toml's URL
         write_atomic(source, nbformat.writes(nb) + "\n")  # tagged before it runs: its scoreboard reads the tags
         if run:
             execute(nb, source)

@@ -107,12 +107,22 @@ def run(lesson: str, exercise: str, namespace: dict, nonce: str | None = None) -
         try:
             exec(code, scope)
         except NameError as err:
-            # The check cell names the learner's function; a NameError here means it was never defined.
-            verdict = module._fresh_verdicts.Verdict(
-                exercise, "failed", f"{err.name} is not defined: run the cell that defines it (was it renamed or deleted?)")
-            _report(lesson, fresh_checks, verdict)
+            # The check cell names the learner's function; a NameError here means it was never defined,
+            # or the cell that defines it raised before it got that far.
+            failed_cell = _safely(_unbound_failure, err.name, namespace)
+            reason = failed_cell if isinstance(failed_cell, str) else (
+                f"{err.name} is not defined: run the cell that defines it (was it renamed or deleted?)")
+            _report(lesson, fresh_checks, module._fresh_verdicts.Verdict(exercise, "failed", reason))
     finally:
         fresh_checks.report = original_report
+
+
+def _unbound_failure(name: str, namespace: dict) -> str | None:
+    """The message for a name that its cell's failed run left undefined (course_utils.tooling.cellruns), or None."""
+    from course_utils.tooling.cellruns import failure_of_unbound
+
+    failure = failure_of_unbound(name, namespace)
+    return failure.message() if failure is not None else None
 
 
 def _safely(look: Any, *args: Any) -> Any:

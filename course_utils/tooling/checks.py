@@ -101,7 +101,14 @@ def lesson_of_module(module: str) -> str | None:
 
 
 def judge(check: Callable, name: str, *args, **kwargs) -> Verdict:
-    """Run a check under a time limit and with the RNG forked; turn whatever happens into a Verdict."""
+    """Run a check under a time limit and with the RNG forked; turn whatever happens into a Verdict.
+
+    An answer left behind by a cell that raised the last time it ran is not judged: the verdict
+    names that cell's error (course_utils.tooling.cellruns).
+    """
+    failed_cell = cell_failure(args)
+    if failed_cell:
+        return Verdict(name, "failed", failed_cell)
     seconds = exercise_seconds()
     try:
         # Checks seed their own hidden cases; the learner's later cells must draw the same numbers.
@@ -119,6 +126,20 @@ def judge(check: Callable, name: str, *args, **kwargs) -> Verdict:
         learner_files = {a.__code__.co_filename for a in args if hasattr(a, "__code__")}
         return Verdict(name, *_blame(err, name, check.__code__.co_filename, learner_files))
     return Verdict(name, "passed")
+
+
+def cell_failure(args: Sequence[Any]) -> str | None:
+    """The message for an answer whose defining cell raised when it last ran, or None (also when that cannot be told)."""
+    try:
+        from course_utils.tooling.cellruns import failure_for
+
+        for arg in args:
+            failure = failure_for(arg)
+            if failure is not None:
+                return str(failure.message())
+    except Exception:  # noqa: BLE001 -- an advisory look: it can make a verdict "failed", never break a check
+        return None
+    return None
 
 
 def report(verdict: Verdict) -> None:

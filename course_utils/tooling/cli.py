@@ -1,4 +1,4 @@
-"""Command line: `python -m course_utils lab|check|progress|reset|restore|workspace|grade|build|html|timings ...`.
+"""Command line: `python -m course_utils lab|check|progress|workspace|reset|restore|grade|autograder|html|build|timings ...`.
 
 Every error a learner can cause or meet (a bad lesson number, a missing or truncated
 notebook, a read-only folder, Ctrl-C) is printed as one line that says what to do, with
@@ -6,6 +6,7 @@ no traceback.
 """
 
 import argparse
+import difflib
 import sys
 from pathlib import Path
 
@@ -34,8 +35,7 @@ def check(notebook: Path, lesson: str | None = None) -> int:
     lesson: the lesson the learner asked for (`check 00`); a notebook that holds another one is
     refused in one line, before a kernel starts, and nothing is recorded.
     """
-    from course_utils.tooling.verdicts import Verdict
-    from course_utils.tooling.progress import other_lesson, save_verdicts, wrong_lesson_message
+    from course_utils.tooling.progress import other_lesson, wrong_lesson_message
     from course_utils.tooling.pytest_plugin import scoreboard_lines
     from course_utils.tooling.runner import run_checker
 
@@ -43,6 +43,7 @@ def check(notebook: Path, lesson: str | None = None) -> int:
     held = other_lesson(notebook, nb)
     if held and lesson:
         raise CourseError(wrong_lesson_message(notebook, held))
+    saved = notebook.stat().st_mtime  # the file the checker reads is the one saved before this moment
     results = run_checker([notebook])
     result = next(iter(results.values()), None)
     if not result or (not result["exercises"] and not result["stopped_at"]):
@@ -56,16 +57,30 @@ def check(notebook: Path, lesson: str | None = None) -> int:
         if held:  # a path given by hand: judged as what it holds, recorded as neither lesson
             print(f"\nNot recorded: {wrong_lesson_message(notebook, held)}")
         else:
-            verdicts = [Verdict(name, v["status"], v["reason"]) for name, v in result["exercises"].items()]
-            save_verdicts(work_dir(), judged, verdicts, replace=True)
+            record_checked(judged, result, saved)
     statuses = [v["status"] for v in result["exercises"].values()]
     return 0 if statuses and all(s == "passed" for s in statuses) and not result["stopped_at"] else 1
 
 
+def record_checked(lesson: str, result: dict, saved: float) -> None:
+    """Record the checker's verdicts of a learner's saved notebook; say so in one line when the notebook has newer, better ones.
+
+    Those newer verdicts were recorded by the notebook's own check cells after the file was last
+    saved, so the saved file is behind what the learner sees: they stay in the record.
+    """
+    from course_utils.tooling.progress import newer_in_notebook, save_verdicts, unsaved_message
+    from course_utils.tooling.verdicts import Verdict
+
+    verdicts = [Verdict(name, v["status"], v["reason"]) for name, v in result["exercises"].items()]
+    newer = newer_in_notebook(work_dir(), lesson, verdicts, saved)
+    save_verdicts(work_dir(), lesson, verdicts, replace=True, keep=newer)
+    if newer:
+        print(f"\n{unsaved_message(lesson)}")
+
+
 def progress(recheck: bool) -> int:
     """Print the progress table from the recorded verdicts (re-checking every lesson first with recheck)."""
-    from course_utils.tooling.verdicts import Verdict
-    from course_utils.tooling.progress import format_progress, notebook_problem, progress_table, save_verdicts
+    from course_utils.tooling.progress import format_progress, notebook_problem, progress_table
     from course_utils.tooling.runner import run_checker
 
     if recheck:
@@ -73,11 +88,11 @@ def progress(recheck: bool) -> int:
 
         mine = [work_path(s) for s in source_notebooks()]
         readable = [p for p in mine if notebook_problem(p) is None]
+        saved = {str(p.resolve()): p.stat().st_mtime for p in readable}  # by the plugin's names for them
         if readable:
             for path, result in run_checker(readable).items():
                 if result.get("lesson"):
-                    verdicts = [Verdict(n, v["status"], v["reason"]) for n, v in result["exercises"].items()]
-                    save_verdicts(work_dir(), result["lesson"], verdicts, replace=True)
+                    record_checked(result["lesson"], result, saved.get(path, 0.0))
     table = progress_table()
     print(format_progress(table))
     if table.attrs["problems"]:
@@ -86,29 +101,70 @@ def progress(recheck: bool) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_utils", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("lab", help="open the course in JupyterLab, on lesson 00 (makes your copies in work/ first)",
-                   description="Open the course in JupyterLab, on lesson 00. Other options are passed on to "
-                               "`jupyter lab` (e.g. --port=8889 --no-browser).")
-    p_check = sub.add_parser("check", help="check your exercises in one lesson and print a scoreboard")
+# The commands in --help, by who uses them: the learner's first.
+GROUPS = {
+    "your work": ["lab", "check", "progress", "workspace", "reset", "restore"],
+    "for instructors": ["grade", "autograder", "html"],
+    "for the course's maintainers": ["build", "timings"],
+}
+HELP = {
+    "lab": "open the course in JupyterLab, on lesson 00 (makes your copies in work/ first)",
+    "check": "check your exercises in one lesson (the saved file) and print a scoreboard",
+    "progress": "a table of your progress in every lesson (from your latest checks)",
+    "workspace": "make your own copy of every lesson in work/ that you do not have yet",
+    "reset": "a fresh copy of a lesson in work/ (your current file is backed up first)",
+    "restore": "bring back a backup of a lesson (your current file is backed up first)",
+    "grade": "grade a folder of submitted notebooks: a CSV, summary tables, an HTML page",
+    "autograder": "write a Gradescope autograder for lessons (autograder-NN.zip)",
+    "html": "render the solution notebooks to static HTML for the classroom",
+    "build": "regenerate the course's learner copies in notebooks/ from notebooks/solutions/",
+    "timings": "time every lesson under nbval and the checker; rewrite README's course map",
+}
+
+
+def command_list() -> str:
+    """The commands, group by group, as --help lists them."""
+    width = max(map(len, HELP))
+    parts = []
+    for group, names in GROUPS.items():
+        parts.append(f"{group}:\n" + "\n".join(f"  {name:{width}}  {HELP[name]}" for name in names))
+    return "\n\n".join(parts) + "\n\n`python -m course_utils COMMAND --help` describes one command."
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line's parser and each command's own (for errors printed with that command's usage)."""
+    parser = argparse.ArgumentParser(prog="python -m course_utils", usage="%(prog)s [-h] COMMAND ...",
+                                     description="The course's commands: the learner's first, then the instructor's and the maintainers'.",
+                                     epilog=command_list(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS)
+    commands: dict[str, argparse.ArgumentParser] = {}
+
+    def add(name: str, description: str | None = None) -> argparse.ArgumentParser:
+        described = description or HELP[name][0].upper() + HELP[name][1:] + "."
+        commands[name] = sub.add_parser(name, prog=f"python -m course_utils {name}", description=described)
+        return commands[name]
+
+    add("lab", "Open the course in JupyterLab, on lesson 00. Other options are passed on to "
+               "`jupyter lab` (e.g. --port=8889 --no-browser).")
+    p_check = add("check", "Check your exercises in one lesson and print a scoreboard. It runs the notebook as it is saved: "
+                           "save it first (Ctrl-S in JupyterLab).")
     p_check.add_argument("lesson", help="lesson number (01), or a notebook path")
     p_check.add_argument("--solutions", action="store_true", help="check the solution copy instead of yours")
-    p_progress = sub.add_parser("progress", help="a table of your progress in every lesson (from your latest checks)")
+    p_progress = add("progress")
     p_progress.add_argument("--recheck", action="store_true", help="run the checker over every lesson first (slow, exact)")
-    sub.add_parser("workspace", help="make your own copy of every lesson in work/ that you do not have yet")
-    p_reset = sub.add_parser("reset", help="a fresh copy of a lesson in work/ (your current file is backed up first)")
+    add("workspace")
+    p_reset = add("reset")
     p_reset.add_argument("lesson", help="lesson number, e.g. 03")
-    p_restore = sub.add_parser("restore", help="bring back a backup of a lesson (your current file is backed up first)")
+    p_reset.add_argument("--force", action="store_true", help="go ahead even while a JupyterLab tab has the notebook open")
+    p_restore = add("restore")
     p_restore.add_argument("lesson", help="lesson number, e.g. 03")
     p_restore.add_argument("backup", nargs="?", help="the backup's file name (default: the newest)")
-    p_restore.add_argument("--list", action="store_true", help="list the lesson's backups instead")
-    p_grade = sub.add_parser("grade", help="grade a folder of submitted notebooks: a CSV, summary tables, an HTML page",
-                             description="Grade every notebook under DIR with the checker, each in a sandbox of its own "
-                                         "(bubblewrap: Debian/Ubuntu package `bubblewrap`): the course is read-only there, and "
-                                         "DIR, the other submissions, the gradebook, the network and your environment are absent.")
-    p_grade.add_argument("folder", metavar="DIR", help="the folder of submissions (any file names; nothing is written to it)")
+    p_restore.add_argument("--list", action="store_true", help="list the lesson's backups instead: when, by which command, how many passed")
+    p_restore.add_argument("--force", action="store_true", help="go ahead even while a JupyterLab tab has the notebook open")
+    p_grade = add("grade", "Grade every notebook under DIR with the checker, each in a sandbox of its own "
+                           "(bubblewrap: Debian/Ubuntu package `bubblewrap`): the course is read-only there, and "
+                           "DIR, the other submissions, the gradebook, the network and your environment are absent.")
+    p_grade.add_argument("folder", metavar="DIR", help="the folder of submissions (its *.ipynb files, any names; nothing is written to it)")
     p_grade.add_argument("--out", metavar="FILE.csv", help="write one row per submission per exercise to this CSV")
     p_grade.add_argument("--html", metavar="FILE.html", help="write a self-contained page with the summary and a pass-rate chart")
     p_grade.add_argument("--jobs", type=int, default=None, metavar="N", help="submissions checked at once (default: the number of cores)")
@@ -124,20 +180,48 @@ def main(argv: list[str] | None = None) -> int:
     p_grade.add_argument("--max-processes", type=int, default=None, metavar="N", help="process limit of a submission's user")
     p_grade.add_argument("--max-open-files", type=int, default=None, metavar="N", help="open-file limit of each process")
     p_grade.add_argument("--max-file-size-mb", type=int, default=None, metavar="MB", help="largest file a submission may write")
-    p_build = sub.add_parser("build", help="regenerate the course's learner copies in notebooks/ from notebooks/solutions/")
+    p_autograder = add("autograder", "Write autograder-NN.zip for each lesson given (`all`: every lesson), to upload to a Gradescope "
+                                     "assignment: it installs the course and grades each upload with its checks (README: Grading on Gradescope).")
+    p_autograder.add_argument("lessons", nargs="+", metavar="NN", help="lesson numbers, or `all`")
+    p_autograder.add_argument("--out", default="build/autograder", help="folder for the zips (default: build/autograder)")
+    p_autograder.add_argument("--points", metavar="FILE", help="an autograder.toml with your points per exercise (one lesson only)")
+    p_html = add("html")
+    p_html.add_argument("--out", default=None, help="output folder (default: build/html)")
+    p_build = add("build")
     p_build.add_argument("lessons", nargs="*", help="lesson numbers (default: all)")
     p_build.add_argument("--execute", action="store_true", help="re-run each solution notebook first, refreshing its outputs")
-    p_html = sub.add_parser("html", help="render the solution notebooks to static HTML for the classroom")
-    p_html.add_argument("--out", default=None, help="output folder (default: build/html)")
-    p_time = sub.add_parser("timings", help="time every lesson under nbval and the checker; rewrite README's course map")
+    p_time = add("timings")
     p_time.add_argument("lessons", nargs="*", help="time only these lessons, with the floor, and print the times (README is left alone)")
     p_time.add_argument("--repeat", type=int, default=3, help="runs per lesson (the median is reported)")
     p_time.add_argument("--no-write", action="store_true", help="print the table instead of writing README.md")
     p_time.add_argument("--keep-times", action="store_true",
                         help="measure nothing: refresh topics, exercises, study time and GPU cells, keep README's times")
+    assert set(commands) == set(HELP) == {n for names in GROUPS.values() for n in names}
+    return parser, commands
+
+
+def unknown_command(argv: list[str], names: list[str]) -> str | None:
+    """'unknown command 'chek': did you mean check?' for a first word that is no command (difflib), else None."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    if word is None or word in names:
+        return None
+    close = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else f"the commands are {', '.join(names)}"
+    return f"unknown command {word!r}: {hint}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, commands = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    unknown = unknown_command(argv, list(commands))
+    if unknown:
+        parser.error(unknown)
     args, rest = parser.parse_known_args(argv)
+    command = commands[args.command]
     if rest and args.command != "lab":  # only `lab` passes options on (to jupyter lab)
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        command.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "restore" and args.list and args.backup:
+        command.error(f"--list lists every backup of lesson {args.lesson}: give it no backup name ({args.backup!r})")
     args.jupyter_args = rest
     try:
         return _run(args)
@@ -174,20 +258,27 @@ def _run(args: argparse.Namespace) -> int:
         print(f"made {len(made)} notebooks in {shown(work_dir())}" if made else f"{shown(work_dir())} has every lesson")
         return 0
     if args.command == "reset":
+        from course_utils.tooling.opentabs import TabGuard
         from course_utils.tooling.workspace import reset
 
-        target, saved = reset(args.lesson)
+        guard = TabGuard(f"reset {lesson_number(args.lesson)}", force=args.force)
+        target, saved = reset(args.lesson, guard=guard)
         print(f"{shown(target)} is a fresh copy" + (f"; your previous file is kept as {shown(saved)}" if saved else " (it was already fresh)"))
+        if guard.advice:
+            print(guard.advice)
         return 0
     if args.command == "restore":
-        from course_utils.tooling.workspace import backups_of, restore
+        from course_utils.tooling.opentabs import TabGuard
+        from course_utils.tooling.workspace import backup_listing, restore
 
         if args.list:
-            backups = backups_of(args.lesson)
-            print("\n".join(shown(b) for b in backups) or f"lesson {args.lesson} has no backups")
+            print(backup_listing(args.lesson))
             return 0
-        target, used, saved = restore(args.lesson, args.backup)
+        guard = TabGuard(f"restore {lesson_number(args.lesson)}", force=args.force)
+        target, used, saved = restore(args.lesson, args.backup, guard=guard)
         print(f"{shown(target)} is now {used.name}" + (f"; the file it replaced is kept as {shown(saved)}" if saved else ""))
+        if guard.advice:
+            print(guard.advice)
         return 0
     if args.command == "grade":
         from course_utils.tooling.grade import main as grade
@@ -198,6 +289,10 @@ def _run(args: argparse.Namespace) -> int:
         limits = Limits(**{name: value for name, value in chosen.items() if value is not None})
         return grade(args.folder, args.out, args.html, args.jobs, args.exercise_timeout, args.cell_timeout, args.timeout,
                      feedback=args.feedback, retry_errors=args.retry_errors, sandboxed=not args.no_sandbox, limits=limits)
+    if args.command == "autograder":
+        from course_utils.tooling.autograder import build as autograder
+
+        return autograder(args.lessons, args.out, args.points)
     if args.command == "build":
         from course_utils.tooling.build import build
 

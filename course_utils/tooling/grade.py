@@ -1,6 +1,7 @@
 """A class gradebook: `python -m course_utils grade DIR [--out FILE.csv] [--html FILE.html] [--feedback DIR2] [--jobs N]`.
 
-Every file under DIR is a submission, whatever its name. Its lesson comes from its content
+Every notebook under DIR (*.ipynb, hidden files and folders such as .ipynb_checkpoints left
+out) is a submission, whatever its name; other files are listed once as ignored. Its lesson comes from its content
 (the lesson number in its metadata, else its exercise tags, else the `lessonNN.check_...` calls
 in its cells), never from its file name.
 
@@ -68,14 +69,29 @@ class Settings:
 
 # ---------------------------------------------------------------- which submissions, which lesson
 
-def find_submissions(folder: Path) -> list[Path]:
+def _visible_files(folder: Path) -> list[Path]:
     """Every file under folder, in name order, leaving out hidden files and folders (.ipynb_checkpoints, .git)."""
-    found = []
-    for path in sorted(folder.rglob("*")):
-        parts = path.relative_to(folder).parts
-        if path.is_file() and not any(p.startswith(".") for p in parts):
-            found.append(path)
-    return found
+    return [path for path in sorted(folder.rglob("*"))
+            if path.is_file() and not any(p.startswith(".") for p in path.relative_to(folder).parts)]
+
+
+def find_submissions(folder: Path) -> list[Path]:
+    """Every notebook (*.ipynb) under folder, in name order, leaving out hidden files and folders."""
+    return [path for path in _visible_files(folder) if path.suffix == ".ipynb"]
+
+
+def ignored_files(folder: Path) -> list[Path]:
+    """The files under folder that are not submissions: not notebooks (notes.txt, data.csv), hidden ones left out."""
+    return [path for path in _visible_files(folder) if path.suffix != ".ipynb"]
+
+
+def ignored_line(folder: Path, shown_at_most: int = 10) -> str | None:
+    """'ignored (not notebooks): notes.txt, data/x.csv', once per run; None when there are none."""
+    ignored = [p.relative_to(folder).as_posix() for p in ignored_files(folder)]
+    if not ignored:
+        return None
+    more = f" and {len(ignored) - shown_at_most} more" if len(ignored) > shown_at_most else ""
+    return f"ignored (not notebooks, *.ipynb): {', '.join(ignored[:shown_at_most])}{more}"
 
 
 def submission_lesson(nb: dict) -> str | None:
@@ -440,7 +456,7 @@ def validate(folder: str, *, out: str | None, html_out: str | None, feedback: st
     if not folder_path.is_dir():
         raise CourseError(f"{folder} is not a folder of submissions")
     if not find_submissions(folder_path):
-        raise CourseError(f"{folder} holds no files to grade")
+        raise CourseError(f"{folder} holds no notebooks (*.ipynb) to grade")
     for name, value in (("--timeout", timeout), ("--exercise-timeout", exercise_timeout), ("--cell-timeout", cell_timeout)):
         if value is not None and not value > 0:
             raise CourseError(f"{name} must be a number of seconds above 0, not {value:g}")
@@ -494,6 +510,9 @@ def main(folder: str, out: str | None = None, html_out: str | None = None, jobs:
     if not sandboxed:
         print(NO_SANDBOX_WARNING, file=sys.stderr)
     folder_path = Path(folder)
+    ignored = ignored_line(folder_path)
+    if ignored:
+        print(ignored, flush=True)
     hidden = tuple(Path(p).resolve() for p in (folder, out, html_out, feedback) if p)
     settings = Settings(exercise_timeout=exercise_timeout, cell_timeout=cell_timeout, timeout=timeout,
                         sandboxed=sandboxed, limits=limits, hide=hidden)

@@ -217,22 +217,47 @@ def student_matrix(table):
 
 # ---------------------------------------------------------------- text
 
+MAX_COLUMN = 60  # characters of text a summary column shows in the terminal; the CSV and the page keep it whole
+
+
+def clipped(text: str, width: int = MAX_COLUMN) -> str:
+    """text, cut to `width` characters with '…' when longer; a most common failure keeps its count ' (3x)'."""
+    if len(text) <= width:
+        return text
+    count = re.search(r" \(\d+x\)$", text)
+    tail = count.group(0) if count else ""
+    return text[:width - 1 - len(tail)] + "…" + tail
+
+
+def text_table(frame, index: bool = True) -> str:
+    """A summary table as text: text columns left-aligned and at most MAX_COLUMN wide, so that one long reason widens nothing else."""
+    from pandas.api.types import is_numeric_dtype
+
+    frame = frame.copy()
+    formatters = {}
+    for column in frame.columns:
+        if not is_numeric_dtype(frame[column]):
+            frame[column] = frame[column].map(lambda value: clipped(str(value)))
+            width = max([len(str(column)), *frame[column].map(len)])
+            formatters[column] = lambda value, width=width: f"{value:<{width}}"
+    return "\n".join(line.rstrip() for line in frame.to_string(index=index, formatters=formatters, justify="left").splitlines())
+
+
 def format_summary(table, folder: str = "DIR") -> str:
     """The headline, the students × lessons matrix (for a folder per student) and both summary tables, as text."""
     import pandas as pd
 
-    with pd.option_context("display.max_colwidth", 90, "display.width", 250, "display.max_rows", None,
-                           "display.max_columns", None):
+    with pd.option_context("display.width", 250, "display.max_rows", None, "display.max_columns", None):
         per_exercise = exercise_summary(table)
         parts = [*headline(table, folder), ""]
         if by_student(table):
-            parts += [f"Per student and lesson (passed/total, {REVIEW_MARK}: needs review):", student_matrix(table).to_string(), ""]
+            parts += [f"Per student and lesson (passed/total, {REVIEW_MARK}: needs review):", text_table(student_matrix(table)), ""]
         return "\n".join(parts + [
             "Per submission:",
-            submission_summary(table).to_string(),
+            text_table(submission_summary(table)),
             "",
             "Per exercise (pass rate in % of the submissions judged):",
-            per_exercise.to_string(index=False) if len(per_exercise) else "(no submission could be graded)",
+            text_table(per_exercise, index=False) if len(per_exercise) else "(no submission could be graded)",
         ])
 
 

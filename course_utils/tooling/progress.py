@@ -9,6 +9,12 @@ A lesson's record holds only the verdicts of that lesson's own file, work/NN_top
 kernel of another notebook (a copy, or lesson 01 saved as 00_orientation.ipynb) keeps its
 verdicts for its session, and under the checker the command line records them once it has
 seen which lesson the notebook holds.
+
+Each verdict is recorded with when it ran and by whom: "notebook" (a check cell in the learner's
+kernel, which judges what the kernel holds, saved or not) or "check" (`course_utils check`,
+which judges the saved file). When the saved file is judged worse than a verdict the notebook
+recorded after the file was last saved, the learner has unsaved work: `check` says so, and the
+notebook's newer verdict stays in the record (`newer_in_notebook`).
 """
 
 import contextlib
@@ -25,6 +31,8 @@ from course_utils.tooling.layout import (
 )
 
 PROGRESS_FILE = ".progress.json"
+NOTEBOOK, CHECKER = "notebook", "check"  # who recorded a verdict: a check cell in the learner's kernel, or `course_utils check`
+RANK = {"passed": 2, "failed": 1, "not attempted": 0}  # better verdicts rank higher; "not run" ranks below all
 NOT_CHECKED = "not checked yet: run its check cell"
 
 _session: dict[str, dict[str, Verdict]] = {}
@@ -35,7 +43,7 @@ def record(lesson: str, verdict: Verdict) -> None:
     _session.setdefault(lesson, {})[verdict.exercise] = verdict
     if _in_work_dir() and _kernel_may_record(lesson):
         with contextlib.suppress(OSError):  # a read-only folder must not break a check
-            save_verdicts(work_dir(), lesson, [verdict])
+            save_verdicts(work_dir(), lesson, [verdict], by=NOTEBOOK)
 
 
 def _kernel_may_record(lesson: str) -> bool:
@@ -130,16 +138,42 @@ def _locked(folder: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def save_verdicts(folder: Path, lesson: str, verdicts: list[Verdict], *, replace: bool = False) -> None:
-    """Add verdicts to the folder's record (replace=True: they are the lesson's whole new record)."""
+def save_verdicts(folder: Path, lesson: str, verdicts: list[Verdict], *, replace: bool = False, by: str = CHECKER,
+                  keep: tuple[str, ...] | list[str] = ()) -> None:
+    """Add verdicts to the folder's record (replace=True: they are the lesson's whole new record).
+
+    by: who judged them (NOTEBOOK or CHECKER); keep: exercises whose recorded verdict stays as it is.
+    """
     with _locked(folder):
         records = load_records(folder)
-        lesson_records = {} if replace else dict(records.get(lesson, {}))
-        now = round(time.time())
+        previous = records.get(lesson, {})
+        lesson_records = {} if replace else dict(previous)
+        now = round(time.time(), 3)
         for v in verdicts:
-            lesson_records[v.exercise] = {"status": v.status, "reason": v.reason, "time": now}
+            if v.exercise in keep and v.exercise in previous:
+                lesson_records[v.exercise] = previous[v.exercise]
+            else:
+                lesson_records[v.exercise] = {"status": v.status, "reason": v.reason, "time": now, "by": by}
         records[lesson] = lesson_records
         write_atomic(progress_file(folder), json.dumps(records, indent=1, sort_keys=True) + "\n")
+
+
+def newer_in_notebook(folder: Path, lesson: str, verdicts: list[Verdict], saved: float) -> list[str]:
+    """The exercises judged worse in the saved file than a verdict the notebook recorded after `saved` (the file's mtime)."""
+    recorded = load_records(folder).get(lesson, {})
+    newer = []
+    for v in verdicts:
+        entry = recorded.get(v.exercise, {})
+        when = entry.get("time")
+        if (entry.get("by") == NOTEBOOK and isinstance(when, (int, float)) and when > saved
+                and RANK.get(entry.get("status"), -1) > RANK.get(v.status, -1)):
+            newer.append(v.exercise)
+    return newer
+
+
+def unsaved_message(lesson: str) -> str:
+    """The one line for a saved file that is behind its notebook."""
+    return f"lesson {lesson} has changes newer than the saved file: save it (Ctrl-S) and check again"
 
 
 def forget(folder: Path, lesson: str) -> None:

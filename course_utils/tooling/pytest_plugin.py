@@ -35,6 +35,7 @@ from queue import Empty
 
 import pytest
 
+from course_utils.tooling.cellruns import PREFIX as CELL_FAILED, message_from_output
 from course_utils.tooling.verdicts import SYMBOL
 from course_utils.tooling.layout import CourseError, exercises, lesson_of
 from course_utils.tooling.runner import not_dumpable
@@ -76,6 +77,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("course_strict_warnings", False):
         # Show every deprecation, not only __main__'s.
         os.environ["PYTHONWARNINGS"] = "default::DeprecationWarning,default::FutureWarning"
+    if config.getoption("nbval", False):
+        # Strict nbval compares saved outputs digit for digit: its kernels use the kernels the build used.
+        from course_utils.reproducibility import same_kernels_env
+
+        os.environ.update(same_kernels_env())
     if config.getoption("course_report", None):
         # The scoreboard leaves through a pipe only this process holds: no notebook may open it through /proc.
         not_dumpable()
@@ -394,6 +400,15 @@ def _exercise_message(item: pytest.Item) -> tuple[str, str]:
     return "failed", getattr(item, "course_warning", None) or "cell outputs differ from the saved ones"
 
 
+def _code_cell_message(item: pytest.Item) -> str:
+    """An exercise's code cell that raised, named as the check in the kernel names it: its function, line and error."""
+    out = _error_output(item)
+    if out:
+        return message_from_output(item.course_exercise, out)
+    warning = getattr(item, "course_warning", None)
+    return f"your code cell {warning}" if warning else "your code cell's outputs differ from the saved ones"
+
+
 def _interrupted(item: pytest.Item, call: pytest.CallInfo) -> str | None:
     """Why a cell did not finish: it ran past its limit, or its kernel died; None when it finished."""
     if call.excinfo is not None and call.excinfo.errisinstance(KernelDied):
@@ -436,16 +451,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if stopped:
         item.parent.timed_out = False  # nbval would mark every later cell as an expected failure
     if report.failed and exercise:
-        status, reason = ("failed", stopped) if stopped else getattr(item, "course_record", None) or _exercise_message(item)
+        if stopped:
+            status, reason = "failed", stopped
+        elif is_check:
+            status, reason = getattr(item, "course_record", None) or _exercise_message(item)
+        else:
+            status, reason = "failed", _code_cell_message(item)
         report.longrepr = f"{exercise} {status}: {reason}"
         results = _results(item)
         if is_check:
             previous = results.get(exercise, {})
-            if previous.get("status") == "failed" and previous.get("from_code") and not stopped:
+            # The check of a cell that raised names that cell (cellruns, in the kernel); a check that could not
+            # tell (the extension not loaded) would judge what the kernel had before: the cell's error says more.
+            told = status == "failed" and reason.startswith(CELL_FAILED)
+            if previous.get("status") == "failed" and previous.get("from_code") and not stopped and not told:
                 status, reason = "failed", previous["reason"]
             results[exercise] = {"status": status, "reason": reason}
         else:
-            results[exercise] = {"status": "failed", "reason": f"your code cell {reason if stopped else 'raised ' + reason}", "from_code": True}
+            results[exercise] = {"status": "failed", "reason": f"your code cell {reason}" if stopped else reason, "from_code": True}
         if not kernel_ok:
             _stop_notebook(item, f"{item.name}: {stopped or 'the kernel stopped'}")
     elif report.failed and getattr(item, "course_warning", None):

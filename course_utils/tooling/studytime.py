@@ -26,6 +26,8 @@ from pathlib import Path
 
 import nbformat
 
+from course_utils.tooling.publish import PLUMBING_TAGS
+
 WORDS_PER_MINUTE = 110
 CODE_LINES_PER_MINUTE = 8
 EXERCISE_MINUTES = 12
@@ -84,6 +86,8 @@ def estimate(nb) -> Estimate:
     """The study-time estimate of a notebook (an nbformat node), by the method in this module's docstring."""
     words, lines, exercises = [0, 0], [0, 0], [0, 0]
     for cell, core in zip(nb.cells, core_flags(nb)):
+        if any(t in PLUMBING_TAGS for t in cell.metadata.get("tags", [])):
+            continue  # the Colab set-up cell and the badges are the course's plumbing, not the lesson
         parts = (0, 1) if core else (1,)
         for i in parts:
             if cell.cell_type == "markdown":

@@ -22,6 +22,7 @@ import tempfile
 import nbformat
 
 from course_utils.tooling.layout import learner_path, root, source_notebooks
+from course_utils.tooling.publish import map_badges
 from course_utils.tooling.studytime import estimate, shown
 
 START, END = "<!-- course-map:start -->", "<!-- course-map:end -->"
@@ -138,7 +139,7 @@ def course_map(repeat: int = 3, log=print) -> str:
 
 def _row(source: Path, facts: dict, nbval: str, check: str) -> str:
     link = learner_path(source).relative_to(root())
-    return (f"| [{facts['name']}]({link}) | {facts['topics']} | {facts['exercises']} | {facts['study']} | "
+    return (f"| [{facts['name']}]({link}){map_badges(learner_path(source))} | {facts['topics']} | {facts['exercises']} | {facts['study']} | "
             f"{nbval} | {check} | {facts['gpu']} |")
 
 

@@ -9,18 +9,23 @@ read back equal to the file it keeps, so a full disk never leaves a truncated ba
 later `restore` to bring back; and `restore` refuses a backup that is not a readable notebook.
 """
 
+import contextlib
 import errno
+import json
 import os
 import re
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 from course_utils.tooling.layout import (
     CourseError, backups_dir, learner_path, read_notebook_json, shown, source_for, source_notebooks, work_dir, work_path,
     write_atomic,
 )
 from course_utils.tooling.progress import forget
+
+BACKUP_INDEX = ".backups.json"  # when each backup was made and by which command
 
 
 def ensure_workspace() -> list[Path]:
@@ -34,11 +39,12 @@ def ensure_workspace() -> list[Path]:
     return made
 
 
-def backup(path: Path) -> Path:
+def backup(path: Path, made_by: str = "") -> Path:
     """Copy a learner's notebook to work/backups/NN_topic.YYYYmmdd-HHMMSS.ipynb (never replacing a backup).
 
     The copy is written under a temporary name and renamed only once it reads back byte for
     byte as the original; otherwise nothing is left behind and a one-line CourseError says why.
+    made_by: the command that made it ("reset 01"), noted in work/backups/.backups.json for `restore --list`.
     """
     folder = backups_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -54,7 +60,26 @@ def backup(path: Path) -> Path:
         raise CourseError(_backup_failed(path, err)) from None
     finally:
         tmp.unlink(missing_ok=True)
+    if made_by:
+        _note_backup(target, made_by)
     return target
+
+
+def _note_backup(target: Path, made_by: str) -> None:
+    """Note in the backups' index when the backup was made and by which command (the backup itself is kept as it was)."""
+    index = backup_index()
+    index[target.name] = {"made": time.strftime("%Y-%m-%d %H:%M:%S"), "made_by": made_by}
+    with contextlib.suppress(OSError):  # the backup is whole; only its note in `restore --list` is lost
+        write_atomic(backups_dir() / BACKUP_INDEX, json.dumps(index, indent=1, sort_keys=True) + "\n")
+
+
+def backup_index() -> dict[str, dict]:
+    """{backup's file name: {"made", "made_by"}}; empty when there is no index or it cannot be read."""
+    try:
+        index = json.loads((backups_dir() / BACKUP_INDEX).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in index.items() if isinstance(v, dict)} if isinstance(index, dict) else {}
 
 
 def _free_backup_name(folder: Path, path: Path) -> Path:
@@ -104,15 +129,20 @@ def _backup_failed(path: Path, err: OSError) -> str:
     return f"could not back up {shown(path)} to {shown(backups_dir())}: {why}; nothing was replaced: {fix}, then run the command again"
 
 
-def reset(lesson: str) -> tuple[Path, Path | None]:
-    """Give the learner a fresh copy of a lesson; return (their notebook, the backup of their previous file or None)."""
+def reset(lesson: str, guard: Callable[[Path], None] | None = None) -> tuple[Path, Path | None]:
+    """Give the learner a fresh copy of a lesson; return (their notebook, the backup of their previous file or None).
+
+    guard: called with the notebook before anything is written; it refuses by raising (opentabs.TabGuard).
+    """
     source = source_for(lesson)
     target, fresh = work_path(source), learner_path(source).read_text(encoding="utf-8")
     saved = None
+    if target.exists() and target.read_text(encoding="utf-8", errors="replace") == fresh:
+        return target, None
+    if guard:
+        guard(target)
     if target.exists():
-        if target.read_text(encoding="utf-8", errors="replace") == fresh:
-            return target, None
-        saved = backup(target)
+        saved = backup(target, made_by=f"reset {source.name[:2]}")
     write_atomic(target, fresh)
     forget(work_dir(), source.name[:2])
     return target, saved
@@ -125,14 +155,68 @@ def backups_of(lesson: str) -> list[Path]:
     return sorted(folder.glob(f"{stem}.*.ipynb"), key=_backup_order) if folder.exists() else []
 
 
+def passed_in(path: Path) -> tuple[int, int] | None:
+    """(check cells whose saved output is a pass, check cells) in a notebook, from its saved outputs; None if unreadable.
+
+    A quick read of the file, not a run: the verdicts its checks showed when they last ran in it.
+    """
+    try:
+        nb = read_notebook_json(path)
+    except CourseError:
+        return None
+    checks = [c for c in nb.get("cells", []) if isinstance(c, dict)
+              and any(str(t).startswith("check:") for t in (c.get("metadata") or {}).get("tags", []) or [])]
+    return sum(_shows_a_pass(c) for c in checks), len(checks)
+
+
+def _shows_a_pass(cell: dict) -> bool:
+    for output in cell.get("outputs") or []:
+        if not isinstance(output, dict):
+            continue
+        text = (output.get("data") or {}).get("text/plain", output.get("text", ""))
+        text = "".join(text) if isinstance(text, list) else str(text)
+        if text.startswith("PASS "):
+            return True
+    return False
+
+
+def backup_listing(lesson: str) -> str:
+    """`restore --list`: each backup, oldest first, with when it was made, by which command and how many checks passed in it."""
+    backups = backups_of(lesson)
+    number = source_for(lesson).name[:2]
+    if not backups:
+        return f"lesson {number} has no backups"
+    index = backup_index()
+    rows = []
+    for b in backups:
+        note = index.get(b.name, {})
+        counted = passed_in(b)
+        rows.append((b.name, str(note.get("made") or _stamp_time(b)), f"by {note.get('made_by') or '(not noted)'}",
+                     f"{counted[0]} of {counted[1]} exercises passed" if counted else "not a readable notebook"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"lesson {number}'s backups in {shown(backups_dir())}, oldest first "
+             f"(`python -m course_utils restore {number} NAME` brings one back):"]
+    lines += ["  " + "  ".join(f"{cell:{w}}" for cell, w in zip(r[:3], widths)) + f"  {r[3]}" for r in rows]
+    return "\n".join(lines)
+
+
+def _stamp_time(path: Path) -> str:
+    """'2026-11-23 10:15:00' from NN_topic.20261123-101500.ipynb."""
+    stamp, _ = _backup_order(path)
+    return f"{stamp[:4]}-{stamp[4:6]}-{stamp[6:8]} {stamp[9:11]}:{stamp[11:13]}:{stamp[13:15]}" if stamp else "?"
+
+
 def _backup_order(path: Path) -> tuple[str, int]:
     """NN_topic.20261123-101500.ipynb, then its -1, -2, ... made in the same second."""
     match = re.search(r"\.(\d{8}-\d{6})(?:-(\d+))?$", path.stem)
     return (match.group(1), int(match.group(2) or 0)) if match else ("", 0)
 
 
-def restore(lesson: str, name: str | None = None) -> tuple[Path, Path, Path | None]:
-    """Bring back a backup (the newest, or the one named); return (notebook, backup used, backup of the file it replaced)."""
+def restore(lesson: str, name: str | None = None, guard: Callable[[Path], None] | None = None) -> tuple[Path, Path, Path | None]:
+    """Bring back a backup (the newest, or the one named); return (notebook, backup used, backup of the file it replaced).
+
+    guard: called with the notebook before anything is written; it refuses by raising (opentabs.TabGuard).
+    """
     backups = backups_of(lesson)
     if not backups:
         raise CourseError(f"lesson {source_for(lesson).name[:2]} has no backups in {backups_dir()}")
@@ -146,7 +230,9 @@ def restore(lesson: str, name: str | None = None) -> tuple[Path, Path, Path | No
         chosen = matches[0]
     _refuse_unreadable(chosen, lesson)
     target = work_path(source_for(lesson))
-    saved = backup(target) if target.exists() else None
+    if guard:
+        guard(target)
+    saved = backup(target, made_by=f"restore {source_for(lesson).name[:2]}") if target.exists() else None
     write_atomic(target, chosen.read_text(encoding="utf-8"))
     forget(work_dir(), source_for(lesson).name[:2])
     return target, chosen, saved
