@@ -83,7 +83,7 @@ lab: check-python $(STAMP)
 # under strict nbval: every check passes, deterministic outputs compared, no
 # DeprecationWarning or FutureWarning printed.
 test: check-python $(TEST_STAMP)
-	$(PY) -m pytest tests notebooks/solutions --nbval $(NBVAL) --course-strict-warnings
+	$(PY) -m pytest tests notebooks/solutions --nbval $(NBVAL) --course-strict-warnings --durations=30
 
 # Re-run every solution notebook to refresh its outputs, then rebuild the learner copies.
 notebooks: check-python $(STAMP)

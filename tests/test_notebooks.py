@@ -191,3 +191,18 @@ def test_each_lesson_has_a_core_path_of_at_most_90_minutes(source):
     assert est.core <= studytime.CORE_LIMIT_MINUTES, (
         f"{source.name}: its core path is estimated at {est.core} min (words, demo code lines, exercises: "
         f"{est.words[0]}, {est.code_lines[0]}, {est.exercises[0]}): mark more sections *going further*")
+
+
+RECORDED = re.compile(r"^\*Recorded on an? .+ with torch \d+\.\d+\.\d+\S*, .* of \d{4}-\d{2}-\d{2}.*\*\n\n```text\n.+\n```$", re.S)
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=IDS)
+def test_recorded_gpu_outputs_sit_beside_their_cells(source):
+    """A GPU output shown in markdown follows its gpu cell and names the device, torch and the date; no placeholder."""
+    cells = nbformat.read(source, as_version=4).cells
+    for i, cell in enumerate(cells):
+        if studytime.RECORDED_TAG in cell.metadata.get("tags", []):
+            assert i > 0 and "gpu" in cells[i - 1].metadata.get("tags", []), f"{source.name}: cell {i} follows no gpu cell"
+            assert RECORDED.match(cell.source), f"{source.name}: cell {i} should name the device, torch and the date: {cell.source[:120]!r}"
+        if cell.cell_type == "markdown":
+            assert "not yet" not in cell.source.split("\n", 1)[0] or "Recorded" not in cell.source, f"{source.name}: cell {i} is a placeholder"

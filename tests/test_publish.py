@@ -131,10 +131,9 @@ def test_the_course_map_shows_badges_exactly_when_the_url_is_set(monkeypatch):
 
 
 def test_every_lesson_carries_the_current_set_up_cell():
-    """Once `python -m course_utils build` has written the set-up cells, every lesson keeps the current one."""
+    """Every lesson carries the current Colab set-up cell (and badges, when a GitHub URL is set), as the build writes them."""
     carrying = {s.name: tagged(nbformat.read(s, as_version=4), publish.SETUP_TAG) for s in source_notebooks()}
-    if not any(carrying.values()):
-        pytest.skip("no lesson has its Colab set-up cell yet: run `python -m course_utils build --execute` (issue 23)")
+    assert all(carrying.values()), f"no Colab set-up cell in {[n for n, c in carrying.items() if not c]}: run `make notebooks`"
     url = publish.repository_url()
     for source in source_notebooks():  # the learner copies follow their sources (tests/test_notebooks.py)
         nb = nbformat.read(source, as_version=4)

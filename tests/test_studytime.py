@@ -24,6 +24,12 @@ def test_prose_code_and_exercises_are_counted_at_the_stated_rates():
     assert est.whole == 20  # 2 + 2 + 12 = 16, rounded up to 20
 
 
+def test_a_recorded_gpu_output_is_not_counted_as_prose():
+    recorded = md("*Recorded on a GPU:*\n\n```\n" + "12.5 ms " * 220 + "\n```", metadata={"tags": [studytime.RECORDED_TAG]})
+    nb = lesson(md("word " * 220), code("%%gpu\nx = 1"), recorded)
+    assert studytime.estimate(nb).words == (220, 220)
+
+
 def test_a_going_further_section_is_left_out_of_the_core_until_the_next_heading_of_its_level():
     nb = lesson(md("# Lesson\n\n" + "w " * 110), *exercise("core"),
                 md("## 5. Going further: deeper\n\n" + "w " * 550), code("a\n" * 40), *exercise("extra"),

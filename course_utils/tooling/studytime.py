@@ -9,7 +9,8 @@ The method (the README's course map states it too):
 - **exercises**: `EXERCISE_MINUTES` each, for writing, checking and fixing (their prompts are prose,
   counted above);
 
-rounded up to 5 minutes. The **core path** leaves out every section whose heading says *going further*
+rounded up to 5 minutes. Outputs are not counted, whether a cell printed them or they were recorded
+on a GPU and shown in a markdown cell tagged `RECORDED_TAG` beside their `gpu` cell. The **core path** leaves out every section whose heading says *going further*
 (from that heading to the next heading of the same or a higher level), with the exercises in it.
 A lesson keeps its core at `CORE_LIMIT_MINUTES` or less.
 
@@ -34,6 +35,7 @@ EXERCISE_MINUTES = 12
 CORE_LIMIT_MINUTES = 90
 GOING_FURTHER = re.compile(r"going further", re.IGNORECASE)
 HEADING = re.compile(r"^(#{1,6})\s+(.*)$")
+RECORDED_TAG = "gpu-recorded"  # a gpu cell's output from the course's GPU run, shown where a CPU cannot make it
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,8 @@ def estimate(nb) -> Estimate:
     """The study-time estimate of a notebook (an nbformat node), by the method in this module's docstring."""
     words, lines, exercises = [0, 0], [0, 0], [0, 0]
     for cell, core in zip(nb.cells, core_flags(nb)):
-        if any(t in PLUMBING_TAGS for t in cell.metadata.get("tags", [])):
-            continue  # the Colab set-up cell and the badges are the course's plumbing, not the lesson
+        if any(t in (*PLUMBING_TAGS, RECORDED_TAG) for t in cell.metadata.get("tags", [])):
+            continue  # the Colab set-up cell and the badges are plumbing; a recorded GPU output is an output
         parts = (0, 1) if core else (1,)
         for i in parts:
             if cell.cell_type == "markdown":
