@@ -1,15 +1,20 @@
-"""Lesson 09's model and data, which the learner's training script imports, and the probe that lets the lesson's
-check follow that script on each rank.
+"""Lesson 09's model and data, which the learner's training script imports; the probe that lets the lesson's check
+follow that script on each rank; and run_script, which starts the script's ranks as torchrun would, with the probe.
 
 They live outside course_utils/lesson09.py because the checker judges with a fresh copy of that
 module: a class defined there (Block) would be another class than the one the notebook sees.
-The probe is off unless course_utils.lesson09.run_script starts the rank with RANK_COMMAND.
+The probe is off unless run_script starts the rank with RANK_COMMAND.
 """
 
+import contextlib
 import os
 import runpy
+import signal
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -92,6 +97,22 @@ PROBE_ENV = "COURSE_LESSON09_PROBE"
 _PROBE = None
 
 
+class _BatchRecorder:
+    """A forward pre-hook that records the batch size of each training forward, and the weights the third one sees
+    (after two optimizer steps: early enough that a wrong setting is told apart before training amplifies rounding).
+    A class, not a closure, so that a script that pickles the whole model (torch.save(model)) works as without it."""
+
+    def __init__(self):
+        self.batches: list[int] = []
+        self.after_two_steps: dict[str, torch.Tensor] | None = None
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        if module.training and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
+            self.batches.append(len(args[0]))
+            if len(self.batches) == 3:
+                self.after_two_steps = {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
 class _ScriptProbe:
     """Records, in one rank of a script, which training samples it read, its model's training forwards and final
     weights, every torch.save, every DistributedDataParallel it built, and the process group's state at the end."""
@@ -105,14 +126,9 @@ class _ScriptProbe:
         self.real_save = torch.save
 
     def track(self, model: nn.Module) -> None:
-        batches: list[int] = []
-
-        def record(module, args):
-            if module.training and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
-                batches.append(len(args[0]))
-
-        model.register_forward_pre_hook(record)
-        self.models.append((model, batches))
+        recorder = _BatchRecorder()
+        model.register_forward_pre_hook(recorder)
+        self.models.append((model, recorder))
 
     def install(self) -> None:
         from torch.nn.parallel import DistributedDataParallel
@@ -125,20 +141,20 @@ class _ScriptProbe:
 
         def recording_save(obj, f, *args, **kwargs):
             where = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", type(f).__name__)
-            probe.saves.append({"path": str(where), "type": type(obj).__name__})
+            probe.saves.append({"path": str(where), "type": type(obj).__name__, "module": isinstance(obj, nn.Module)})
             return real_save(obj, f, *args, **kwargs)
 
         DistributedDataParallel.__init__ = recording_init
         torch.save = recording_save
 
     def result(self) -> dict:
-        trained = max(self.models, key=lambda m: len(m[1]), default=None)
+        trained = max(self.models, key=lambda m: len(m[1].batches), default=None)
         state = None
         if trained is not None:
             state = {k: v.detach().clone() for k, v in trained[0].state_dict().items()}
-        return {"reads": self.reads, "batches": trained[1] if trained else [], "models": len(self.models),
-                "state": state, "saves": self.saves, "ddp_wraps": self.ddp_wraps,
-                "initialized_at_end": dist.is_available() and dist.is_initialized()}
+        return {"reads": self.reads, "batches": trained[1].batches if trained else [], "models": len(self.models),
+                "state": state, "after_two_steps": trained[1].after_two_steps if trained else None, "saves": self.saves,
+                "ddp_wraps": self.ddp_wraps, "initialized_at_end": dist.is_available() and dist.is_initialized()}
 
 
 def _error_record(err: BaseException, script: str) -> dict:
@@ -184,3 +200,97 @@ def run_rank() -> None:
 
 
 RANK_COMMAND = "from course_utils.ddp_models import run_rank; run_rank()"
+
+
+# The parent's side: start a script's ranks as torchrun would, each recorded by the probe.
+
+@dataclass
+class RankRun:
+    """What one rank of a launched script did: exit code, output, the probe's record, and whether it was killed."""
+
+    rank: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+    record: dict | None
+    killed: bool
+    left_behind: list[str]
+
+
+def run_script(script: Path, args: list[str], folder: Path, world_size: int = 2, timeout: float = 20.0,
+               grace: float = 6.0) -> list[RankRun]:
+    """Start `world_size` ranks of a script as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment),
+    each recorded by course_utils.ddp_models' probe; kill any rank still running `grace` s after another ended, or after `timeout` s."""
+    from course_utils.distributed import CHILD_ENV, free_port
+    from course_utils.tooling.runner import guarded
+
+    port = free_port()
+    base = {**os.environ, **CHILD_ENV, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "lesson09-check",
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "PYTHONUNBUFFERED": "1",
+            PROBE_ENV: str(folder)}
+    procs, files, left = [], [], []
+    try:
+        for rank in range(world_size):
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+            out, err = open(folder / f"rank{rank}.out", "w+"), open(folder / f"rank{rank}.err", "w+")
+            files += [out, err]
+            group = {"process_group": 0 if rank == 0 else procs[0].pid}  # one process group: one killpg stops all
+            procs.append(subprocess.Popen(guarded([sys.executable, "-c", RANK_COMMAND, str(script), *args]),
+                                          stdout=out, stderr=err, env=env, cwd=folder, **group))
+        start, first_end, killed = time.monotonic(), None, set()
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if first_end is None and any(p.poll() is not None for p in procs):
+                first_end = now
+            if now - start > timeout or (first_end is not None and now - first_end > grace):
+                for rank, p in enumerate(procs):
+                    if p.poll() is None:
+                        killed.add(rank)
+                        p.kill()
+                break
+            time.sleep(0.05)
+        for p in procs:
+            p.wait()
+        left = _group_members(procs[0].pid)  # the ranks have ended: whatever is left in their process group, they started
+    finally:
+        if procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(procs[0].pid, signal.SIGKILL)  # never leave a rank, or anything it started, behind
+        for p in procs:
+            p.wait()
+        texts = []
+        for f in files:
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+    runs = []
+    for rank, p in enumerate(procs):
+        path = folder / f"rank{rank}.pt"
+        record = torch.load(path, weights_only=True) if path.exists() else None
+        runs.append(RankRun(rank, p.returncode, texts[2 * rank], texts[2 * rank + 1], record, rank in killed, left))
+    return runs
+
+
+def _group_members(pgid: int) -> list[str]:
+    """The command lines of the living processes in a process group (Linux /proc; elsewhere none)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                argv = _command_line(entry)
+                # the program's name, not its path: a message reads the same in any checkout
+                found.append(" ".join([Path(argv[0]).name, *argv[1:]]))
+    return found
+
+
+def _command_line(entry: Path) -> list[str]:
+    """A process's argv from /proc; a process in the middle of exec shows an empty one for a moment, so wait it out."""
+    for _ in range(20):
+        raw = (entry / "cmdline").read_bytes()
+        if raw:
+            break
+        time.sleep(0.05)
+    return raw.decode(errors="replace").rstrip("\0").split("\0")

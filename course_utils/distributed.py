@@ -94,6 +94,12 @@ def _child(rank: int, world_size: int, port: int, backend: str, pg_timeout: floa
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Python's own shutdown of a process that imported torch (and, after DDP, torch._dynamo) takes seconds:
+        # send what is queued for the parent, then leave at once.
+        results.close()
+        results.join_thread()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def _exit_with_parent() -> None:
@@ -241,6 +247,24 @@ def print_rank_lines(outputs: dict[int, str]) -> None:
     for rank in sorted(outputs):
         for line in outputs[rank].splitlines():
             print(f"[rank {rank}] {line}")
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[bool]:
+    """A real one-rank gloo process group in this process, destroyed after the block; yields False (and creates none)
+    when a group of several ranks is already initialized here."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]:"; leave the process as it was
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.get_world_size() == 1
+    finally:
+        if created:
+            dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def launch(worker: Callable, world_size: int = 2, args: Sequence[Any] = (), timeout: float = 60.0) -> list[Any]:

@@ -1,25 +1,15 @@
-"""Lesson 09 (distributed data parallel on a CPU): rank functions for the demos, reference solutions, the launcher
-that runs a learner's training script on two ranks, and the checks.
+"""Lesson 09 (distributed data parallel on a CPU): the reference solutions and the checks of its exercises.
 
-The functions with the signature fn(rank, world_size, ...) run inside the spawned ranks of
-course_utils.distributed.Workers: spawn imports them from here, which it could not do
-from a notebook. The lesson's model and data live in course_utils.ddp_models, which the
-learner's training script imports; when check_ddp_digits runs that script, they record what
-each rank did.
+The functions the demos run on the ranks live in course_utils.ddp_demos, the lesson's model and data (and the probe
+that follows a learner's training script on each rank) in course_utils.ddp_models, the threads that stand in for ranks
+in course_utils.simulated_ranks, and the process plumbing in course_utils.distributed.
 """
 
 import contextlib
 import math
 import os
 import re
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
-import time
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
@@ -28,17 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from course_utils import ddp_models
-from course_utils.ddp_models import (  # noqa: F401 -- the notebook reaches the lesson's model and data as lesson09.*
-    RANK_COMMAND,
-    Block,
-    TrainingDigits,
-    block_model,
-    digits_batch,
-    held_out_digits,
-    make_model,
-    training_digits,
-)
+from course_utils.ddp_models import Block, RankRun, TrainingDigits, block_model, make_model, run_script
+from course_utils.distributed import one_rank_group
+from course_utils.simulated_ranks import Hang, SimulatedWorld
 from course_utils.tooling.checks import (
     ERROR_HINTS,
     ExerciseFailed,
@@ -103,639 +85,6 @@ def shard_model(model: nn.Sequential, mesh) -> torch.optim.Optimizer:
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return torch.optim.AdamW(model.parameters(), lr=1e-3)  # after fully_shard: it swapped in DTensor parameters
 
-
-@dataclass
-class RankRun:
-    """What one rank of a launched script did: exit code, output, the probe's record, and whether it was killed."""
-
-    rank: int
-    returncode: int | None
-    stdout: str
-    stderr: str
-    record: dict | None
-    killed: bool
-    left_behind: list[str]
-
-
-def run_script(script: Path, args: list[str], folder: Path, world_size: int = 2, timeout: float = 20.0,
-               grace: float = 6.0) -> list[RankRun]:
-    """Start `world_size` ranks of a script as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment),
-    each recorded by course_utils.ddp_models' probe; kill any rank still running `grace` s after another ended, or after `timeout` s."""
-    from course_utils.distributed import CHILD_ENV, free_port
-    from course_utils.tooling.runner import guarded
-
-    port = free_port()
-    base = {**os.environ, **CHILD_ENV, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
-            "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "lesson09-check",
-            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "PYTHONUNBUFFERED": "1",
-            ddp_models.PROBE_ENV: str(folder)}
-    procs, files, left = [], [], []
-    try:
-        for rank in range(world_size):
-            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
-            out, err = open(folder / f"rank{rank}.out", "w+"), open(folder / f"rank{rank}.err", "w+")
-            files += [out, err]
-            group = {"process_group": 0 if rank == 0 else procs[0].pid}  # one process group: one killpg stops all
-            procs.append(subprocess.Popen(guarded([sys.executable, "-c", RANK_COMMAND, str(script), *args]),
-                                          stdout=out, stderr=err, env=env, cwd=folder, **group))
-        start, first_end, killed = time.monotonic(), None, set()
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if first_end is None and any(p.poll() is not None for p in procs):
-                first_end = now
-            if now - start > timeout or (first_end is not None and now - first_end > grace):
-                for rank, p in enumerate(procs):
-                    if p.poll() is None:
-                        killed.add(rank)
-                        p.kill()
-                break
-            time.sleep(0.05)
-        for p in procs:
-            p.wait()
-        left = _group_members(procs[0].pid)  # the ranks have ended: whatever is left in their process group, they started
-    finally:
-        if procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(procs[0].pid, signal.SIGKILL)  # never leave a rank, or anything it started, behind
-        for p in procs:
-            p.wait()
-        texts = []
-        for f in files:
-            f.seek(0)
-            texts.append(f.read())
-            f.close()
-    runs = []
-    for rank, p in enumerate(procs):
-        path = folder / f"rank{rank}.pt"
-        record = torch.load(path, weights_only=True) if path.exists() else None
-        runs.append(RankRun(rank, p.returncode, texts[2 * rank], texts[2 * rank + 1], record, rank in killed, left))
-    return runs
-
-
-def _group_members(pgid: int) -> list[str]:
-    """The command lines of the living processes in a process group (Linux /proc; elsewhere none)."""
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                argv = _command_line(entry)
-                # the program's name, not its path: a message reads the same in any checkout
-                found.append(" ".join([Path(argv[0]).name, *argv[1:]]))
-    return found
-
-
-def _command_line(entry: Path) -> list[str]:
-    """A process's argv from /proc; a process in the middle of exec shows an empty one for a moment, so wait it out."""
-    for _ in range(20):
-        raw = (entry / "cmdline").read_bytes()
-        if raw:
-            break
-        time.sleep(0.05)
-    return raw.decode(errors="replace").rstrip("\0").split("\0")
-
-
-# Functions that run on every rank: fn(rank, world_size, ...). They print; Workers prefixes [rank N].
-
-def hello(rank: int, world_size: int) -> dict:
-    """Show what a rank knows, and three collectives: all_reduce, broadcast, all_gather."""
-    print(f"I am rank {dist.get_rank()} of world size {dist.get_world_size()}, backend {dist.get_backend()}")
-    x = torch.tensor([float(rank + 1)])
-    before = x.item()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM)                 # every rank ends with the sum
-    print(f"all_reduce(SUM): my {before:g} became {x.item():g}")
-    y = torch.tensor([100.0 + rank])
-    dist.broadcast(y, src=0)                                 # every rank ends with rank 0's value
-    print(f"broadcast(src=0): my {100 + rank} became {y.item():g}")
-    gathered = [torch.zeros(1) for _ in range(world_size)]
-    dist.all_gather(gathered, torch.tensor([rank * 10.0]))   # every rank ends with everybody's value
-    print(f"all_gather: {[t.item() for t in gathered]}")
-    return {"rank": rank, "sum": x.item()}
-
-
-def _my_slice(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    per_rank = len(x) // world_size
-    return x[rank * per_rank:(rank + 1) * per_rank]
-
-
-def ddp_step(rank: int, world_size: int, images: torch.Tensor, labels: torch.Tensor, lr: float) -> dict:
-    """One DDP training step on this rank's slice of the batch, with the all-reduce made visible; also by hand."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    x, y = _my_slice(images, rank, world_size), _my_slice(labels, rank, world_size)
-    model = DDP(make_model())                                # broadcasts rank 0's weights to every rank
-    log = []
-
-    def logging_allreduce(state, bucket):
-        """A DDP communication hook: called once per bucket of gradients, instead of the built-in all-reduce."""
-        local = bucket.buffer().norm().item()
-        fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-
-        def average(fut):
-            averaged = fut.value()[0].div_(world_size)
-            log.append((bucket.index(), bucket.buffer().numel(), local, averaged.norm().item()))
-            return averaged
-        return fut.then(average)
-
-    model.register_comm_hook(None, logging_allreduce)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    print(f"my samples: {rank * len(x)}..{(rank + 1) * len(x) - 1}")
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()                                          # the hook runs here, once per bucket
-    for index, numel, local, averaged in sorted(log):
-        print(f"bucket {index}: {numel:5} gradient values, norm {local:.4f} on this rank -> {averaged:.4f} after all-reduce")
-    grads = [p.grad.clone() for p in model.parameters()]
-    optimizer.step()
-
-    manual = make_model()                                    # the same step without DDP: one all-reduce per parameter
-    F.cross_entropy(manual(x), y).backward()
-    for p in manual.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)        # in place: the sum over ranks, on every rank
-        p.grad /= world_size
-    manual_diff = max((a.grad - b).abs().max().item() for a, b in zip(manual.parameters(), grads))
-    print(f"my loss {loss.item():.4f}; by hand ({len(grads)} all-reduces) vs DDP, max gradient difference: {manual_diff:.1e}")
-    return {"grads": grads, "weights": [p.detach().clone() for p in model.parameters()]}
-
-
-def single_process_step(images: torch.Tensor, labels: torch.Tensor, lr: float) -> dict:
-    """The same step in one process on the whole batch."""
-    model = make_model()
-    F.cross_entropy(model(images), labels).backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    torch.optim.SGD(model.parameters(), lr=lr).step()
-    return {"grads": grads, "weights": [p.detach().clone() for p in model.parameters()]}
-
-
-def max_difference(a: dict, b: dict) -> dict[str, float]:
-    """Largest absolute difference of gradients and of weights between two steps' results."""
-    return {key: max((u - v).abs().max().item() for u, v in zip(a[key], b[key])) for key in ("grads", "weights")}
-
-
-def ddp_matches_single_process(workers=None, batch_per_rank: int = 16, lr: float = 0.1) -> dict[str, float]:
-    """Max |difference| of gradients and weights: one DDP step on 2 ranks x batch B vs one process on 2B."""
-    from course_utils.distributed import Workers
-
-    images, labels = digits_batch(2 * batch_per_rank)
-    with contextlib.nullcontext(workers) if workers is not None else Workers(2) as pool:
-        per_rank = pool.run(ddp_step, images, labels, lr, show=False)
-    single = single_process_step(images, labels, lr)
-    diffs = [max_difference(result, single) for result in per_rank]
-    return {key: max(d[key] for d in diffs) for key in ("grads", "weights")}
-
-
-def count_syncs(rank: int, world_size: int, images: torch.Tensor, labels: torch.Tensor, micro_batches: int, use_no_sync: bool) -> dict:
-    """Accumulate gradients over micro-batches with DDP; count the all-reduce calls and the values sent."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = DDP(make_model())
-    calls = []
-
-    def counting_allreduce(state, bucket):
-        calls.append(bucket.buffer().numel())
-        fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-        return fut.then(lambda fut: fut.value()[0].div_(world_size))
-
-    model.register_comm_hook(None, counting_allreduce)
-    x, y = _my_slice(images, rank, world_size), _my_slice(labels, rank, world_size)
-    chunks = list(zip(x.chunk(micro_batches), y.chunk(micro_batches)))
-    model.zero_grad()
-    for i, (inputs, targets) in enumerate(chunks):
-        syncs = not use_no_sync or i == len(chunks) - 1
-        with contextlib.nullcontext() if syncs else model.no_sync():
-            (F.cross_entropy(model(inputs), targets) / micro_batches).backward()
-    return {"all_reduces": len(calls), "values_sent": sum(calls), "grads": [p.grad.clone() for p in model.parameters()]}
-
-
-def sync_batchnorm(rank: int, world_size: int, features: torch.Tensor) -> dict:
-    """What SyncBatchNorm computes: batch statistics over every rank's samples, from all-reduced sums."""
-    bn = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(features.shape[1])))
-    print(f"convert_sync_batchnorm: {type(bn[0]).__name__}")
-    x = _my_slice(features, rank, world_size)
-    try:
-        bn(x)                                                # training mode: needs the batch statistics
-    except ValueError as err:
-        print(f"on a CPU tensor: ValueError: {err}")
-    local_mean = x.mean(0)
-    sums = torch.cat([x.sum(0), (x * x).sum(0), torch.tensor([float(len(x))])])
-    dist.all_reduce(sums)                                    # what SyncBatchNorm all-reduces (in its CUDA kernels)
-    n = sums[-1]
-    mean = sums[:x.shape[1]] / n
-    var = sums[x.shape[1]:-1] / n - mean ** 2
-    print(f"feature 0: mean of my {len(x)} samples {local_mean[0]:+.3f}, of all {int(n)} samples {mean[0]:+.3f}")
-    return {"local_mean": local_mean, "mean": mean, "var": var}
-
-
-def fsdp_step(rank: int, world_size: int, images: torch.Tensor, labels: torch.Tensor, lr: float) -> dict:
-    """FSDP2 on CPU: shard each Linear, show the shards, one AdamW step; gather a full state_dict on rank 0."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = make_model()
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)                    # each Linear: one unit, gathered just before it runs
-    fully_shard(model, mesh=mesh)                            # the root: whatever is left
-    for name, p in model.named_parameters():
-        assert isinstance(p, DTensor)
-        print(f"{name:8} {type(p).__name__} {str(tuple(p.shape)):9} placements {p.placements}: "
-              f"local shard {tuple(p.to_local().shape)}")
-    local_numel = sum(p.to_local().numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)  # after fully_shard: over the DTensor shards
-    x, y = _my_slice(images, rank, world_size), _my_slice(labels, rank, world_size)
-    F.cross_entropy(model(x), y).backward()                  # gradients are reduce-scattered: each rank keeps its shard
-    grad = model[1].weight.grad
-    print(f"1.weight.grad is a {type(grad).__name__} with local shard {tuple(grad.to_local().shape)}")
-    full_grads = [p.grad.full_tensor() for p in model.parameters()]   # a collective: every rank calls it
-    optimizer.step()                                         # each rank updates its own shard only
-    moment = optimizer.state[model[1].weight]["exp_avg"]
-    print(f"AdamW's exp_avg for 1.weight: {type(moment).__name__}, local shard {tuple(moment.to_local().shape)}")
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    print(f"get_model_state_dict(full_state_dict=True, cpu_offload=True): {len(state)} tensors"
-          + (f", e.g. 1.weight {type(state['1.weight']).__name__} {tuple(state['1.weight'].shape)}" if state else ""))
-    return {"grads": full_grads, "state": state, "local_numel": local_numel}
-
-
-def single_process_adamw_step(images: torch.Tensor, labels: torch.Tensor, lr: float) -> dict:
-    """One AdamW step of the lesson's model in one process on the whole batch: its new weights."""
-    model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    F.cross_entropy(model(images), labels).backward()
-    optimizer.step()
-    return {name: p.detach().clone() for name, p in model.state_dict().items()}
-
-
-def fsdp_precision(rank: int, world_size: int, images: torch.Tensor, labels: torch.Tensor) -> dict:
-    """The dtypes FSDP2 sends and computes in, under three MixedPrecisionPolicy settings."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    x, y = _my_slice(images, rank, world_size), _my_slice(labels, rank, world_size)
-    seen = {}
-    real = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
-
-    def spy(name):
-        def collective(output, input, *args, **kwargs):
-            seen.setdefault(name, input.dtype)
-            return real[name](output, input, *args, **kwargs)
-        return collective
-
-    rows = {}
-    policies = {"default": MixedPrecisionPolicy(),
-                "param bf16, reduce fp32": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                "param bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
-    for label, policy in policies.items():
-        seen.clear()
-        model = make_model()
-        compute = []
-        model[1].register_forward_pre_hook(lambda module, args: compute.append(module.weight.dtype))
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        for name in real:
-            setattr(dist, name, spy(name))
-        try:
-            F.cross_entropy(model(x).float(), y).backward()
-        finally:
-            for name, fn in real.items():
-                setattr(dist, name, fn)
-        rows[label] = {"compute": compute[0], "all_gather": seen.get("all_gather_single"),
-                       "reduce_scatter": seen.get("reduce_scatter_single"), "param": model[1].weight.dtype,
-                       "grad": model[1].weight.grad.dtype}
-    if rank == 0:
-        print(f"{'mp_policy':24} {'forward in':11} {'all-gather':11} {'reduce-scatter':15} {'sharded param':14} grad")
-        for label, r in rows.items():
-            print(f"{label:24} {_short(r['compute']):11} {_short(r['all_gather']):11} {_short(r['reduce_scatter']):15} "
-                  f"{_short(r['param']):14} {_short(r['grad'])}")
-    return rows
-
-
-def _short(dtype) -> str:
-    return str(dtype).replace("torch.", "") if dtype is not None else "-"
-
-
-class TwoHeads(nn.Module):
-    """A shared body with one head per task; a batch of one task leaves the other head unused."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Linear(64, 32)
-        self.digits = nn.Linear(32, 10)
-        self.parity = nn.Linear(32, 2)
-
-    def forward(self, x: torch.Tensor, task: str = "digits") -> torch.Tensor:
-        h = F.relu(self.body(x.flatten(1)))
-        return self.digits(h) if task == "digits" else self.parity(h)
-
-
-def unused_parameters(rank: int, world_size: int, images: torch.Tensor, labels: torch.Tensor, find_unused: bool) -> str:
-    """Two DDP steps of TwoHeads on the digits task only: the parity head never gets a gradient."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(0)
-    model = DDP(TwoHeads(), find_unused_parameters=find_unused)
-    x, y = _my_slice(images, rank, world_size), _my_slice(labels, rank, world_size)
-    say = print if rank == 0 else (lambda *args: None)      # the ranks fail alike: rank 0 speaks for both
-    for step in range(2):
-        try:
-            F.cross_entropy(model(x), y).backward()
-        except RuntimeError as err:
-            first = str(err).split(". ")[0]
-            say(f"step {step}: RuntimeError: {first}.")
-            unused = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(err))
-            names = [n for n, _ in model.module.named_parameters()]
-            if unused:
-                say(f"        parameters that received no gradient: {[names[int(i)] for i in unused.group(1).split()]}")
-            return first
-        say(f"step {step}: loss computed, backward done")
-    return ""
-
-
-def diverge(rank: int, world_size: int, timeout_s: float) -> str:
-    """Rank 0 calls all_reduce, the others skip it: rank 0 waits until the group's timeout, then raises."""
-    group = dist.new_group(timeout=timedelta(seconds=timeout_s))   # a group with a short timeout, for this demo
-    if rank == 0:
-        try:
-            dist.all_reduce(torch.ones(3), group=group)
-        except RuntimeError as err:
-            first = re.sub(r"^\[[^\]]*\] ", "", str(err).strip().splitlines()[0])   # drop gloo's [source file:line]
-            print(f"{type(err).__name__}: {first}")
-            return first
-        return ""
-    print("skipped the all_reduce (say, `if not torch.isfinite(loss): continue` was true only here)")
-    return ""
-
-
-# Simulated ranks: threads of this process, with torch.distributed's collectives replaced by exact in-memory ones.
-
-class _Hang(BaseException):  # not an Exception: call() must not turn it into "your code raised"
-    """A simulated rank waited in a collective that another rank never joined."""
-
-
-class _Work:
-    """What an async collective returns. As with real gloo, the tensor holds the result only once wait() returned
-    (here: not one moment before), so a forgotten wait() leaves the input as it was."""
-
-    def __init__(self, world: "_SimulatedWorld", apply: Callable[[], None], tensors: list):
-        self._world, self._apply, self._tensors, self._done = world, apply, tensors, False
-        world.pending[world.rank()].append(self)
-
-    def wait(self, timeout=None) -> bool:
-        if not self._done:
-            self._done = True
-            self._apply()
-            self._world.pending[self._world.rank()].remove(self)
-        return True
-
-    def is_completed(self) -> bool:
-        return self.wait()
-
-    def get_future(self) -> "_Future":
-        return _Future(self)
-
-    def result(self) -> list:
-        self.wait()
-        return self._tensors
-
-
-class _Future:
-    def __init__(self, work: _Work):
-        self._work = work
-
-    def wait(self) -> list:
-        return self._work.result()
-
-    def value(self) -> list:
-        return self._work.result()
-
-    def done(self) -> bool:
-        return self._work.wait()
-
-    def then(self, callback: Callable) -> "_Future":
-        self._work.wait()
-        value = callback(self)
-        done = _Work(self._work._world, lambda: None, value)
-        done.wait()
-        return _Future(done)
-
-
-_REDUCE_OPS = {"SUM": lambda s: s.sum(0), "AVG": lambda s: s.mean(0) if s.is_floating_point() else s.sum(0) // len(s),
-               "MAX": lambda s: s.max(0).values, "MIN": lambda s: s.min(0).values, "PRODUCT": lambda s: s.prod(0)}
-
-
-class _SimulatedWorld:
-    """world_size ranks as threads, each calling the learner's function with torch.distributed patched.
-
-    The checks use it instead of real processes, which take seconds to start. It keeps the real API's
-    contract where a learner's answer can tell: collectives modify their tensors in place, async ones
-    only at wait(); wrong argument types raise TypeError as torch does; tensors of different sizes on
-    different ranks raise as gloo does. It records every call, and turns a collective that not every
-    rank joins into an error instead of a hang.
-    """
-
-    PATCHED = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_object", "all_gather_into_tensor",
-               "all_gather_single", "barrier", "get_rank", "get_world_size", "is_initialized", "get_backend")
-
-    def __init__(self, world_size: int, timeout: float = 1.5):
-        self.world_size = world_size
-        self._gate = threading.Barrier(world_size, timeout=timeout)
-        self.slots: list = [None] * world_size
-        self.local = threading.local()
-        self.events: list[list[str]] = [[] for _ in range(world_size)]
-        self.pending: list[list[_Work]] = [[] for _ in range(world_size)]
-        self.unwaited: set[int] = set()  # ranks that returned with an async collective never waited on
-        self.hung: dict[int, str] = {}
-
-    def rank(self) -> int:
-        return self.local.rank
-
-    def _sync(self, op: str) -> None:
-        try:
-            self._gate.wait()
-        except threading.BrokenBarrierError:
-            self.hung.setdefault(self.rank(), op)
-            raise _Hang(op) from None
-
-    def _exchange(self, op: str, payload) -> list:
-        rank = self.rank()
-        self.events[rank].append(op)
-        self.slots[rank] = (op, payload)
-        self._sync(op)
-        seen = list(self.slots)
-        self._sync(op)  # everyone has read the slots before anyone reuses them
-        if len({s[0] for s in seen}) > 1:
-            raise _Hang(f"mismatched collectives {[s[0] for s in seen]}")
-        return [s[1] for s in seen]
-
-    @staticmethod
-    def _tensor(op: str, tensor) -> torch.Tensor:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"Invalid function argument. Expected parameter `tensor` of type torch.Tensor but got "
-                            f"{type(tensor)} instead.")  # torch.distributed's own wording
-        return tensor
-
-    @staticmethod
-    def _op(op) -> str:
-        if not isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
-            raise TypeError(f"allreduce(): incompatible function arguments: op must be a torch.distributed.ReduceOp, "
-                            f"got {type(op).__name__}")
-        name = str(op).split(".")[-1]
-        if name not in _REDUCE_OPS:
-            raise ValueError(f"unsupported op {op} in this lesson's simulated ranks")
-        return name
-
-    def _same_sizes(self, op: str, values: list[torch.Tensor]) -> None:
-        sizes = {v.numel() for v in values}
-        if len(sizes) > 1:
-            raise RuntimeError(f"{op}: received data size doesn't match expected size: the ranks passed tensors of "
-                               f"{[v.numel() for v in values]} elements. Is there a distributed collective mismatch?")
-
-    def _finish(self, apply: Callable[[], None], tensors: list, async_op: bool):
-        if async_op:
-            return _Work(self, apply, tensors)
-        apply()
-        return None
-
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        tensor, name = self._tensor("all_reduce", tensor), self._op(op)
-        values = self._exchange("all_reduce", tensor.detach().clone())
-        self._same_sizes("all_reduce", values)
-        result = _REDUCE_OPS[name](torch.stack([v.reshape(tensor.shape) for v in values])).to(tensor.dtype)
-
-        def apply():
-            with torch.no_grad():
-                tensor.copy_(result)
-        return self._finish(apply, [tensor], async_op)
-
-    def reduce(self, tensor, dst=None, op=dist.ReduceOp.SUM, group=None, async_op=False, group_dst=None):
-        tensor, name = self._tensor("reduce", tensor), self._op(op)
-        dst = group_dst if dst is None else dst
-        values = self._exchange("reduce", tensor.detach().clone())
-        self._same_sizes("reduce", values)
-        result = _REDUCE_OPS[name](torch.stack([v.reshape(tensor.shape) for v in values])).to(tensor.dtype)
-
-        def apply():
-            if self.rank() == (dst or 0):
-                with torch.no_grad():
-                    tensor.copy_(result)
-        return self._finish(apply, [tensor], async_op)
-
-    def broadcast(self, tensor, src=None, group=None, async_op=False, group_src=None):
-        tensor = self._tensor("broadcast", tensor)
-        src = group_src if src is None else src
-        values = self._exchange("broadcast", tensor.detach().clone())
-        self._same_sizes("broadcast", values)
-
-        def apply():
-            with torch.no_grad():
-                tensor.copy_(values[src or 0].reshape(tensor.shape))
-        return self._finish(apply, [tensor], async_op)
-
-    def all_gather(self, tensor_list, tensor, group=None, async_op=False):
-        tensor = self._tensor("all_gather", tensor)
-        if not isinstance(tensor_list, list) or len(tensor_list) != self.world_size:
-            raise ValueError(f"all_gather: tensor_list must be a list of world_size ({self.world_size}) tensors")
-        values = self._exchange("all_gather", tensor.detach().clone())
-        for i, out in enumerate(tensor_list):
-            if not isinstance(out, torch.Tensor) or out.shape != values[i].shape:
-                raise RuntimeError(f"ProcessGroupGloo::allgather: invalid tensor size at index {i} (expected "
-                                   f"{tuple(values[i].shape)}, got {tuple(getattr(out, 'shape', ()))})")
-
-        def apply():
-            with torch.no_grad():
-                for out, v in zip(tensor_list, values):
-                    out.copy_(v)
-        return self._finish(apply, tensor_list, async_op)
-
-    def all_gather_single(self, output_tensor, input_tensor, group=None, async_op=False):
-        tensor = self._tensor("all_gather_single", input_tensor)
-        values = self._exchange("all_gather_single", tensor.detach().clone())
-        self._same_sizes("all_gather_single", values)
-        gathered = torch.cat([v.reshape(-1) for v in values])
-        if not isinstance(output_tensor, torch.Tensor) or output_tensor.numel() != gathered.numel():
-            raise ValueError(f"all_gather_single: the output tensor must hold world_size x {tensor.numel()} elements")
-
-        def apply():
-            with torch.no_grad():
-                output_tensor.copy_(gathered.reshape(output_tensor.shape))
-        return self._finish(apply, [output_tensor], async_op)
-
-    all_gather_into_tensor = all_gather_single
-
-    def all_gather_object(self, object_list, obj, group=None):
-        values = self._exchange("all_gather_object", obj)
-        for i, v in enumerate(values):
-            object_list[i] = v
-
-    def barrier(self, group=None, async_op=False, device_ids=None):
-        self._exchange("barrier", None)
-        return self._finish(lambda: None, [], async_op)
-
-    def get_rank(self, group=None):
-        return self.rank()
-
-    def get_world_size(self, group=None):
-        return self.world_size
-
-    def is_initialized(self):
-        return True
-
-    def get_backend(self, group=None):
-        return "gloo"
-
-    def run(self, fn: Callable[[int], object], learner: Callable | None = None) -> list:
-        """Run fn(rank) on one thread per rank with torch.distributed patched; return [(value, exception)] per rank.
-
-        Names in the learner function's globals bound to the real collectives (from torch.distributed import
-        all_reduce) are pointed at the simulated ones too, for the run only.
-        """
-        outcome: list = [(None, None)] * self.world_size
-
-        def body(rank: int) -> None:
-            self.local.rank = rank
-            try:
-                outcome[rank] = (fn(rank), None)
-            except BaseException as err:  # noqa: BLE001 -- reported by the check
-                outcome[rank] = (None, err)
-                if not isinstance(err, _Hang):
-                    self._gate.abort()  # the others would wait for this rank forever
-            if self.pending[rank]:
-                self.unwaited.add(rank)
-
-        saved = {name: getattr(dist, name) for name in self.PATCHED}
-        c10d = dist.distributed_c10d  # where the collectives are defined: a learner may call them from there
-        defined = {name: getattr(c10d, name) for name in self.PATCHED if getattr(c10d, name, None) is saved[name]}
-        namespace = getattr(learner, "__globals__", None)
-        if not isinstance(namespace, dict):
-            namespace = {}
-        rebound = {key: value for key, value in namespace.items()
-                   if any(value is real for real in saved.values()) and not key.startswith("__")}
-        for name in self.PATCHED:
-            setattr(dist, name, getattr(self, name))
-        for name in defined:
-            setattr(c10d, name, getattr(self, name))
-        for key, value in rebound.items():
-            namespace[key] = getattr(self, next(n for n, real in saved.items() if real is value))
-        try:
-            threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.world_size)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(10)
-        finally:
-            for name, value in saved.items():
-                setattr(dist, name, value)
-            for name, value in defined.items():
-                setattr(c10d, name, value)
-            namespace.update(rebound)
-        return outcome
-
-
 def _raise_first_error(outcome: list, what: str, hints: dict[str, str] | None = None) -> None:
     """Report a learner's exception on a simulated rank in one line, naming the rank (the untouched stub passes through)."""
     for rank, (_, err) in enumerate(outcome):
@@ -744,14 +93,14 @@ def _raise_first_error(outcome: list, what: str, hints: dict[str, str] | None = 
     for rank, (_, err) in enumerate(outcome):
         if isinstance(err, SystemExit):
             raise ExerciseFailed(f"{what}: rank {rank} called exit() (SystemExit: {err.code}): return a value instead")
-        if err is not None and not isinstance(err, _Hang):
+        if err is not None and not isinstance(err, Hang):
             frame = learner_frame(err)
             advice = error_hint(err, {**ERROR_HINTS, **(hints or {})})
             raise ExerciseFailed(f"{what} raised {type(err).__name__} on rank {rank}: {first_line(err)}"
                                  f"{where(frame) if frame else ''}{advice}")
 
 
-def _raise_hang(world: _SimulatedWorld, what: str) -> None:
+def _raise_hang(world: SimulatedWorld, what: str) -> None:
     if not world.hung:
         return
     waiting = min(world.hung)
@@ -763,7 +112,7 @@ def _raise_hang(world: _SimulatedWorld, what: str) -> None:
     )
 
 
-def _raise_unwaited(world: _SimulatedWorld, what: str) -> None:
+def _raise_unwaited(world: SimulatedWorld, what: str) -> None:
     if world.unwaited:
         rank = min(world.unwaited)
         raise ExerciseFailed(
@@ -772,24 +121,9 @@ def _raise_unwaited(world: _SimulatedWorld, what: str) -> None:
         )
 
 
-@contextlib.contextmanager
-def _single_rank_group():
-    """A real one-rank gloo process group in this process (for DDP and FSDP in a check); destroyed afterwards."""
-    created = not dist.is_initialized()
-    hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]:"; leave the learner's process as it was
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.get_world_size() == 1
-    finally:
-        if created:
-            dist.destroy_process_group()
-        sys.excepthook = hook
-
-
 def _real_once(fn: Callable, args: tuple, what: str, shown: str):
     """Call the learner's function once in a real one-rank gloo group: the API's own checks, not the stand-in's."""
-    with _single_rank_group() as usable:
+    with one_rank_group() as usable:
         if not usable:
             return None
         try:
@@ -813,6 +147,45 @@ def _accuracy_case(sizes: list[int], n_classes: int, seed: int) -> list[tuple[to
     return shares
 
 
+def _close_all(values: list[float], targets: list[float]) -> bool:
+    return all(math.isclose(v, w, rel_tol=1e-6) for v, w in zip(values, targets))
+
+
+def _accuracy_fault(got: list[float], correct: list[int], sizes: list[int], world: SimulatedWorld) -> str:
+    """Why the ranks' values differ from the global accuracy, where the values themselves prove it; else expected/got."""
+    world_size, total = len(sizes), sum(correct)
+    expected = total / sum(sizes)
+    local = [c / n if n else math.nan for c, n in zip(correct, sizes)]
+    mean_of_means = sum(local) / world_size
+    if any(math.isnan(v) for v in got) and 0 in sizes:
+        return (f": got nan; rank {sizes.index(0)} has no samples, so its own accuracy is 0/0: "
+                "all-reduce the number of correct predictions and the number of samples, then divide")
+    if _close_all(got, [mean_of_means] * world_size):
+        return (f" returned the mean of the ranks' accuracies, {mean_of_means:.4f}; with shares of different sizes that "
+                f"is not the accuracy over all samples ({expected:.4f}): all-reduce the counts of correct predictions and "
+                "of samples, then divide")
+    if 0 < expected < 1 and all(v == math.floor(expected) for v in got):
+        return (f" returned {got[0]:g} on every rank where the accuracy is {expected:.4g} ({total} of {sum(sizes)}): "
+                "its whole-number part, which is what integer division (//) gives: divide as floats")
+    if _close_all(got, [local[0]] * world_size):
+        return (f" returned rank 0's own accuracy, {local[0]:.4f}, on every rank (as a broadcast from rank 0 gives), "
+                f"not the accuracy over all samples ({expected:.4f}): all-reduce every rank's counts")
+    if 0 not in sizes and _close_all(got, local):
+        return (f": each rank returned its own accuracy {[round(v, 4) for v in got]}: combine every rank's counts with "
+                "dist.all_reduce and use the combined counts")
+    if 0 not in sizes and _close_all(got, [total / (n * world_size) for n in sizes]):
+        return (f": each rank divided the global number of correct predictions ({total}) by its own number of samples "
+                f"times the world size, which assumes equal shares {sizes}: all-reduce the number of samples as well")
+    if 0 not in sizes and _close_all(got, [total / n for n in sizes]):
+        return (f": each rank divided the global number of correct predictions ({total}) by its own number of samples "
+                f"{sizes}: all-reduce the number of samples as well, and divide by the total")
+    if any(not math.isclose(v, got[0], rel_tol=1e-6) for v in got if not math.isnan(v)):
+        used_reduce = any("reduce" in events for events in world.events)
+        return (f": the ranks returned different values {[round(v, 4) for v in got]}: every rank must end with the same "
+                "global accuracy" + (" (dist.reduce leaves the result on one rank only; dist.all_reduce on all)" if used_reduce else ""))
+    return f": expected {expected:.6g} on every rank, got {[round(v, 6) for v in got]}"
+
+
 @exercise("global_accuracy")
 def check_global_accuracy(fn) -> None:
     expect_callable(fn)
@@ -826,7 +199,7 @@ def check_global_accuracy(fn) -> None:
         correct = [int((x.argmax(1) == y).sum()) for x, y in shares]
         expected = sum(correct) / sum(sizes)
         what = f"global_accuracy(logits, labels) on {world_size} ranks with {sizes} samples"
-        world = _SimulatedWorld(world_size)
+        world = SimulatedWorld(world_size)
         outcome = world.run(lambda rank: fn(*shares[rank]), learner=fn)
         _raise_first_error(outcome, what, hints)
         _raise_hang(world, what)
@@ -847,21 +220,7 @@ def check_global_accuracy(fn) -> None:
                                  "ranks' counts with dist.all_reduce")
         if all(math.isclose(v, expected, rel_tol=1e-6) for v in got):  # float32 sums are fine
             continue
-        local = [c / n if n else math.nan for c, n in zip(correct, sizes)]
-        mean_of_means = sum(local) / world_size
-        if any(math.isnan(v) for v in got) and 0 in sizes:
-            raise ExerciseFailed(f"{what}: got nan; rank {sizes.index(0)} has no samples, so its own accuracy is 0/0: "
-                                 "all-reduce the number of correct predictions and the number of samples, then divide")
-        if all(math.isclose(v, mean_of_means, rel_tol=1e-6) for v in got):
-            raise ExerciseFailed(f"{what} returned the mean of the ranks' accuracies, {mean_of_means:.4f}; with shares of "
-                                 f"different sizes that is not the accuracy over all samples ({expected:.4f}): all-reduce "
-                                 "the counts of correct predictions and of samples, then divide")
-        if any(not math.isclose(v, got[0], rel_tol=1e-6) for v in got if not math.isnan(v)):
-            used_reduce = any("reduce" in events for events in world.events)
-            raise ExerciseFailed(f"{what}: the ranks returned different values {[round(v, 4) for v in got]}: every rank "
-                                 "must end with the same global accuracy"
-                                 + (" (dist.reduce leaves the result on one rank only; dist.all_reduce on all)" if used_reduce else ""))
-        raise ExerciseFailed(f"{what}: expected {expected:.6g} on every rank, got {[round(v, 6) for v in got]}")
+        raise ExerciseFailed(f"{what}{_accuracy_fault(got, correct, sizes, world)}")
     logits, labels = _accuracy_case([6], 10, 3)[0]
     value = _real_once(fn, (logits, labels), "global_accuracy", "logits, labels")
     expected = float((logits.argmax(1) == labels).float().mean())
@@ -902,6 +261,9 @@ def check_average_gradients(fn) -> None:
     expect_callable(fn)
     hints = {"NoneType": "a frozen parameter has p.grad None: leave those out",
              "got None": "a frozen parameter has p.grad None: leave those out",
+             "is invalid for input of size": "a slice of the flat tensor had another size than the gradient it goes "
+                                             "back to: the offsets must count only the gradients that went into it, in "
+                                             "the same order",
              "view size is not compatible": "view() of a non-contiguous tensor; reshape() copies when it must"}
     for world_size in (2, 3):
         replicas = _replicas_with_local_grads(world_size, seed=world_size)
@@ -910,7 +272,7 @@ def check_average_gradients(fn) -> None:
         local = [[None if p.grad is None else p.grad.clone() for p in m.parameters()] for m in replicas]
         trainable = [i for i, g in enumerate(local[0]) if g is not None]
         mean = {i: torch.stack([local[r][i] for r in range(world_size)]).mean(0) for i in trainable}
-        world = _SimulatedWorld(world_size)
+        world = SimulatedWorld(world_size)
         what = f"average_gradients(model) on {world_size} ranks"
         outcome = world.run(lambda rank: fn(replicas[rank]), learner=fn)
         _raise_first_error(outcome, what, hints)
@@ -957,12 +319,34 @@ def check_average_gradients(fn) -> None:
                     raise ExerciseFailed(f"{what}: on rank {r}, {names[i]}.grad became "
                                          f"{'None' if got is None else 'of shape ' + str(tuple(got.shape))}, expected "
                                          f"shape {tuple(mean[i].shape)}")
-                if not torch.allclose(got, mean[i], atol=1e-6):
-                    raise ExerciseFailed(
-                        f"{what}: on rank {r}, {names[i]}.grad is not the mean of the ranks' gradients "
-                        f"(e.g. {got.flatten()[0].item():.6g}, expected {mean[i].flatten()[0].item():.6g}): are the "
-                        "values copied back to the parameters they came from, in order?"
-                    )
+        if all(agrees(r) for r in range(world_size)):
+            continue
+        if all(agrees(r, 1 / world_size) for r in range(world_size)):
+            avg = any("AVG" in ops for ops in world.reductions)
+            raise ExerciseFailed(f"{what} left the mean divided by {world_size} once more: "
+                                 + ("all_reduce with op=ReduceOp.AVG already divides by the world size, so do not divide "
+                                    "again" if avg else "divide the sum by the world size once"))
+        summed = {i: torch.stack([local[r][i] for r in range(world_size)]).sum(0) for i in trainable}
+        if all(torch.equal(grads[r][i], torch.div(summed[i], world_size, rounding_mode="floor"))
+               for r in range(world_size) for i in trainable):
+            raise ExerciseFailed(f"{what} left the mean rounded down to whole numbers (e.g. "
+                                 f"{grads[0][trainable[0]].flatten()[0].item():g} for {mean[trainable[0]].flatten()[0].item():.4g}): "
+                                 "floor division (//) drops the fraction; divide with /")
+        kept = [i for i in trainable if all(torch.equal(grads[r][i], local[r][i]) for r in range(world_size))]
+        averaged = [i for i in trainable if all(torch.allclose(grads[r][i], mean[i], atol=1e-6) for r in range(world_size))]
+        if kept and len(kept) + len(averaged) == len(trainable):
+            raise ExerciseFailed(f"{what}: {names[kept[0]]}.grad is still each rank's own gradient while the others were "
+                                 "averaged: it never went into the collective (model.parameters() yields every parameter, "
+                                 "those registered on the model itself too)")
+        wrong = next((r, i) for r in range(world_size) for i in trainable if not torch.allclose(grads[r][i], mean[i], atol=1e-6))
+        r, i = wrong
+        values = torch.cat([grads[r][j].flatten() for j in trainable]).sort().values
+        if torch.allclose(values, torch.cat([mean[j].flatten() for j in trainable]).sort().values, atol=1e-6):
+            raise ExerciseFailed(f"{what}: on rank {r}, the averaged values are all there, but in the wrong parameters "
+                                 f"({names[i]}.grad holds values of others): copy them back in the order you flattened them")
+        got = grads[r][i]
+        raise ExerciseFailed(f"{what}: on rank {r}, {names[i]}.grad is not the mean of the ranks' gradients "
+                             f"(e.g. {got.flatten()[0].item():.6g}, expected {mean[i].flatten()[0].item():.6g})")
     model = _replicas_with_local_grads(1, seed=7)[0]
     before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     _real_once(fn, (model,), "average_gradients", "model")
@@ -996,7 +380,8 @@ def _plain_training(seed: int, micro: list, groups: list[list[int]], lr: float, 
                     zero: str = "before") -> list[torch.Tensor]:
     """SGD on a plain _ScaledNet that starts with stale gradients: one step per group of micro-batch indices.
 
-    zero: when the gradients are zeroed, "before" each group (right), "never", "once" at the start, or "after" each step.
+    zero: when the gradients are zeroed, "before" each group (right), "never", "once" at the start, "after" each step,
+    or "each" micro-batch.
     """
     model = _ScaledNet(seed).requires_grad_(True)
     for p in model.parameters():
@@ -1008,6 +393,8 @@ def _plain_training(seed: int, micro: list, groups: list[list[int]], lr: float, 
         if zero == "before":
             optimizer.zero_grad()
         for i in group:
+            if zero == "each":
+                optimizer.zero_grad()
             inputs, targets = micro[i]
             (F.cross_entropy(model(inputs), targets) / (divide_by or len(group))).backward()
         optimizer.step()
@@ -1029,7 +416,7 @@ def check_train_accumulated(fn) -> None:
         ends = [group[-1] + 1 for group in groups]
         lr = 0.5
         what = f"train_accumulated(ddp_model, optimizer, {n_micro} micro-batches, accumulate={accumulate})"
-        with _single_rank_group():
+        with one_rank_group():
             ddp, log = _counted_ddp(3)
             for p in ddp.parameters():  # stale gradients from an earlier step
                 p.grad = torch.full_like(p, _STALE)
@@ -1075,13 +462,19 @@ def check_train_accumulated(fn) -> None:
         for zero, fault in [("never", "never zeroed the gradients, so each group's gradients leaked into the later steps"),
                             ("once", "zeroed the gradients only once, so each group's gradients leaked into the later steps"),
                             ("after", "zeroed the gradients only after each step, so the stale ones the model came with "
-                                      "leaked into the first step")]:
+                                      "leaked into the first step"),
+                            ("each", "zeroed the gradients before every micro-batch, so each step used the last "
+                                     "micro-batch of its group alone")]:
             if same(_plain_training(3, micro, groups, lr, zero=zero)):
-                raise ExerciseFailed(f"{what} {fault}: zero them before each group")
+                raise ExerciseFailed(f"{what} {fault}: zero them once per group, before its first micro-batch")
         expected = _plain_training(3, micro, groups, lr)
         name = next(n for n, a, b in zip(names, got, expected) if not torch.allclose(a, b, atol=1e-5))
         raise ExerciseFailed(f"{what}: {name} after training differs from SGD on the mean loss of each group "
                              "(the gradient of the mean loss over its micro-batches, one step per group)")
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "") if dtype is not None else "-"
 
 
 def _fsdp_units(model: nn.Module) -> dict[str, bool]:
@@ -1105,7 +498,7 @@ def _raise_precision_fault(what: str, compute: dict[str, torch.dtype], head: str
         raise ExerciseFailed(f"{what}: the blocks computed in bfloat16 but the head in float32{why}: give the root's "
                              "fully_shard the same policy")
     if blocks | {head_dtype} != {torch.bfloat16}:
-        raise ExerciseFailed(f"{what}: the model computed in {_short(head_dtype or next(iter(blocks), None))}{why}: give "
+        raise ExerciseFailed(f"{what}: the model computed in {_dtype_name(head_dtype or next(iter(blocks), None))}{why}: give "
                              "fully_shard a MixedPrecisionPolicy whose param_dtype is torch.bfloat16")
 
 
@@ -1113,6 +506,7 @@ def _raise_precision_fault(what: str, compute: dict[str, torch.dtype], head: str
 def check_shard_model(fn) -> None:
     expect_callable(fn)
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     for dim, n_blocks, n_classes, seed in [(12, 3, 7, 4), (8, 2, 11, 5)]:
@@ -1130,12 +524,20 @@ def check_shard_model(fn) -> None:
                 m.register_forward_pre_hook(recorder(name))
         g = torch.Generator().manual_seed(seed)
         x, y = torch.randn(6, dim, generator=g), torch.randint(0, n_classes, (6,), generator=g)
-        with _single_rank_group() as usable:
+        with one_rank_group() as usable:
             if not usable:
                 raise ExerciseFailed("a process group of several ranks is already initialized in this kernel, so the "
                                      "check cannot build its one-rank mesh: restart the kernel")
             mesh = init_device_mesh("cpu", (1,))
-            optimizer = call(fn, model, mesh, shown="model, mesh")
+            try:
+                optimizer = call(fn, model, mesh, shown="model, mesh")
+            except ExerciseFailed as err:
+                units = _fsdp_units(model)
+                if units[""] and not all(units[str(i)] for i in range(n_blocks)):
+                    raise ExerciseFailed(f"{err.message} (fully_shard ran on a Block after the root was sharded, and the "
+                                         "root's call had taken every parameter not yet in a unit, the Blocks' too: "
+                                         "shard bottom-up, each Block first, then the root)") from None
+                raise
             if optimizer is None:
                 raise ExerciseFailed(f"{what} returned None: return the optimizer you made for the sharded model")
             if not isinstance(optimizer, torch.optim.Optimizer):
@@ -1146,10 +548,11 @@ def check_shard_model(fn) -> None:
                 raise ExerciseFailed(f"{what}: the model itself is not sharded: call fully_shard on the root too, after "
                                      "the blocks, so that it holds whatever the blocks do not (the head)")
             missing = [b for b in blocks if not units[b]]
-            if missing:
-                raise ExerciseFailed(f"{what}: block {missing[0]} is not an FSDP unit of its own: call fully_shard on "
-                                     "each Block before the root")
             inner = [name for name, unit in units.items() if unit and "." in name]
+            if missing:
+                raise ExerciseFailed(f"{what}: block {missing[0]} is not an FSDP unit of its own"
+                                     + (f" (you made {inner[0]} inside it one)" if inner else "")
+                                     + ": call fully_shard on each Block, whole, before the root")
             if inner:
                 raise ExerciseFailed(f"{what} made {inner[0]} a unit of its own: each Block is one unit, gathered whole "
                                      "just before it runs; do not shard the layers inside it separately")
@@ -1169,7 +572,7 @@ def check_shard_model(fn) -> None:
                 raise ExerciseFailed(f"{what}: the optimizer's lr is {lr!r}, expected 1e-3")
             low = [name for name, p in model.named_parameters() if p.dtype != torch.float32]
             if low:
-                raise ExerciseFailed(f"{what}: the sharded parameter {low[0]} is {_short(dict(model.named_parameters())[low[0]].dtype)}: "
+                raise ExerciseFailed(f"{what}: the sharded parameter {low[0]} is {_dtype_name(dict(model.named_parameters())[low[0]].dtype)}: "
                                      "keep the parameters (and so the optimizer's step) in float32; the policy casts "
                                      "copies for the forward and backward")
             if not all(isinstance(p, DTensor) for p in params):
@@ -1178,8 +581,13 @@ def check_shard_model(fn) -> None:
             try:
                 out = call(model, x, name="the sharded model", kind="module")
             except ExerciseFailed as err:
-                if "must have the same dtype" in err.message:  # a bfloat16 unit fed a float32 one, or the reverse
-                    _raise_precision_fault(what, compute, str(n_blocks), crashed=err.message)
+                if "must have the same dtype" in err.message or "mixed dtype" in err.message:
+                    no_cast = [name or "the root" for name, m in model.named_modules()
+                               if isinstance(m, FSDPModule) and not m._get_fsdp_state()._mp_policy.cast_forward_inputs]
+                    if no_cast:
+                        raise ExerciseFailed(f"{err.message} (the policy of {no_cast[0]} has cast_forward_inputs=False, so "
+                                             "its float32 input met bfloat16 weights: leave cast_forward_inputs at True)") from None
+                    _raise_precision_fault(what, compute, str(n_blocks), crashed=err.message)  # a bfloat16 unit fed a float32 one
                 raise
             if not isinstance(out, torch.Tensor):
                 raise ExerciseFailed(f"the sharded model returned {a_type(out)}, expected a tensor of logits")
@@ -1231,7 +639,13 @@ def _judge_launch(runs: list[RankRun], name: str, timeout: float, grace: float) 
                 r.record and not r.record.get("error") for r in others):
             hint = (f" (rank {others[0].rank} had already finished: a collective that only rank {run.rank} called, "
                     "say inside `if rank == 0:`?)")
-        message = err["message"] if err["message"] else "(no message)"
+        saves = run.record.get("saves") or []
+        if not hint and saves and saves[-1].get("module") and "pickle" in err["message"]:
+            hint = (f" (torch.save of the {saves[-1]['type']} object pickles it whole, process group included: save "
+                    "model.module.state_dict())")
+        message = re.sub(r"^\[[^\]]*\] ", "", err["message"]) or "(no message)"  # drop gloo's [source file:line]
+        if hint:
+            message = message.split(". ")[0]
         raise ExerciseFailed(f"rank {run.rank} raised {err['type']}: {message}{where}{hint}")
     killed = [run for run in runs if run.killed]
     if killed and len(killed) == len(runs):
@@ -1255,8 +669,11 @@ def _judge_launch(runs: list[RankRun], name: str, timeout: float, grace: float) 
                                  + (f": {detail}" if detail else " without a message (os._exit?)"))
 
 
-def _one_process(steps: list[list[int]], lr: float, momentum: float = 0.0, zero: bool = True) -> dict[str, torch.Tensor]:
-    """The weights of one process trained with SGD on the given global batches (lists of training-set indices)."""
+def _one_process(steps: list[list[int]], lr: float, momentum: float = 0.0, zero: bool = True,
+                 reduction: str = "mean", world_size: int = 2) -> dict[str, torch.Tensor]:
+    """The weights of one process trained with SGD on the given global batches (lists of training-set indices).
+
+    reduction="sum": what DDP gives when each rank steps on the sum of its losses (the mean over ranks of the sums)."""
     data = TrainingDigits()
     images, labels = data.images, data.labels
     model = make_model()
@@ -1264,7 +681,8 @@ def _one_process(steps: list[list[int]], lr: float, momentum: float = 0.0, zero:
     for index in steps:
         if zero:
             optimizer.zero_grad()
-        F.cross_entropy(model(images[index]), labels[index]).backward()
+        loss = F.cross_entropy(model(images[index]), labels[index], reduction=reduction)
+        (loss / world_size if reduction == "sum" else loss).backward()
         optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -1339,9 +757,15 @@ def _judge_training(runs: list[RankRun], out: Path) -> None:
     expected = _one_process(steps, lr)
     off = _max_diff(states[0], expected)
     if off > 1e-4:
+        world_size, early = len(runs), records[0].get("after_two_steps")
         for variant, fault in [({"momentum": 0.9}, "with momentum 0.9: use plain SGD, no momentum"),
-                               ({"zero": False}, "without zeroing the gradients: zero them at every step")]:
-            if _max_diff(states[0], _one_process(steps, lr, **variant)) < 1e-4:
+                               ({"zero": False}, "without zeroing the gradients: zero them at every step"),
+                               ({"lr": lr * world_size}, f"with lr {lr * world_size:g}, --lr times the world size: use "
+                                                         "--lr as given (scaling it is the launcher's choice, not the script's)"),
+                               ({"reduction": "sum"}, "on the sum of the cross-entropy over each batch "
+                                                      "(reduction='sum'): use the mean")]:
+            # After two steps, before training amplifies the rounding of a large step (lr x world size, a summed loss).
+            if early is not None and len(steps) > 2 and _max_diff(early, _one_process(steps[:2], **{"lr": lr, **variant})) < 1e-4:
                 raise ExerciseFailed(f"the ranks trained {fault}")
         raise ExerciseFailed(f"rank 0's weights after training differ from one process trained on the same global "
                              f"batches with SGD(lr={lr:g}) on the mean cross-entropy (max |difference| {off:.1e}): "
@@ -1363,6 +787,9 @@ def _judge_training(runs: list[RankRun], out: Path) -> None:
     if not path.is_absolute() or path.resolve() != out.resolve():
         if (out.parent / path).resolve() != out.resolve():
             raise ExerciseFailed(f"rank 0 saved to {str(path)!r}, not to the path given as --out")
+    if saves[0][0].get("module"):
+        raise ExerciseFailed(f"rank 0 saved the model object itself (torch.save of a {saves[0][0]['type']}): save "
+                             "model.module.state_dict(), which loads with torch.load(weights_only=True) into make_model()")
     try:
         state = torch.load(out, weights_only=True)
     except Exception as err:  # noqa: BLE001 -- an unloadable file is the learner's

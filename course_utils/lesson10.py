@@ -9,6 +9,7 @@ import pickle
 import re
 import tempfile
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -61,9 +62,12 @@ def export_from_request(model: nn.Module, request: torch.Tensor) -> ExportedProg
     return torch.export.export(model.eval(), (examples,), dynamic_shapes=({0: batch},))
 
 
-def scale_if_raw(x: torch.Tensor) -> torch.Tensor:
-    """Divide the batch by 255 if any value exceeds 1 (raw pixel values), else return it unchanged; exportable."""
-    return torch.where(x.max() > 1, x / 255, x)
+def cascade(small: nn.Module, large: nn.Module, x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Class probabilities from `small` if it is sure of every image (top probability >= threshold), else from `large`,
+    which then runs alone; exportable."""
+    logits = small(x)
+    sure = logits.softmax(dim=1).amax(dim=1).min() >= threshold
+    return torch.cond(sure, lambda x, logits: logits.softmax(dim=1), lambda x, logits: large(x).softmax(dim=1), (x, logits))
 
 
 def export_onnx(model: nn.Module, example: torch.Tensor, path: str | Path) -> float:
@@ -218,19 +222,98 @@ def _call(fn, *args, what: str, hints: dict[str, str]):
         raise ExerciseFailed(f"{what} raised {type(err).__name__}: {_telling_line(err)}{error_hint(err, {**ERROR_HINTS, **hints})}") from None
 
 
+def _named_cnn(seed: int) -> nn.Module:
+    """load_for_serving's hidden model: _small_cnn with named layers, whose names begin with letters of "module." and
+    "_orig_mod." (decoder, encoder), so that str.lstrip, which strips characters, not a prefix, mangles them."""
+    layers = _small_cnn(seed)
+    names = ["encoder", "norm", "act", "pool", "flat", "drop", "decoder"]
+    return nn.Sequential(OrderedDict(zip(names, layers)))
+
+
+class _LoadWatch:
+    """What a learner's load_for_serving did while it ran: the classes it allowed the weights-only unpickler beyond
+    those allowed before, and every model.load_state_dict call on the caller's model (its keys and `strict`)."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.allowed, self.loads = model, set(), []
+        self._real_allowed = None
+
+    def __enter__(self) -> "_LoadWatch":
+        from torch import _weights_only_unpickler as unpickler
+
+        before, real = set(unpickler._marked_safe_globals_set), unpickler._get_user_allowed_globals
+        self._real_allowed = real
+
+        def allowed():
+            self.allowed |= set(unpickler._marked_safe_globals_set) - before
+            return real()
+        unpickler._get_user_allowed_globals = allowed
+        real_load = self.model.load_state_dict
+
+        def load_state_dict(state_dict, strict=True, assign=False):
+            keys = list(state_dict.keys()) if hasattr(state_dict, "keys") else None
+            self.loads.append({"keys": keys, "strict": strict})
+            return real_load(state_dict, strict=strict, assign=assign)
+        self.model.load_state_dict = load_state_dict  # on the instance: the caller's model reports its own loads
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch import _weights_only_unpickler as unpickler
+
+        unpickler._get_user_allowed_globals = self._real_allowed
+        self.model.__dict__.pop("load_state_dict", None)
+
+
+def _name(obj: object) -> str:
+    return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', obj)}".lstrip(".")
+
+
+def _key_fault(passed: list[str], expected: list[str], prefix: str) -> str | None:
+    """What is wrong with the keys handed to load_state_dict, when their difference from the model's proves it."""
+    if set(passed) == set(expected):
+        return None
+    if "model" in passed and "optimizer" in passed:
+        return "that is the whole checkpoint: the weights are under checkpoint['model']"
+    if prefix and all(k.startswith(prefix) for k in passed):
+        wrapper = {"_orig_mod.": "torch.compile's", "module.": "DistributedDataParallel's"}[prefix]
+        return f"the keys still carry {wrapper} `{prefix}` prefix (e.g. {passed[0]!r}): strip it"
+    mangled = [(k, e) for k in passed for e in expected if k != e and e.endswith(k) and k not in expected]
+    if mangled:
+        got, want = mangled[0]
+        return (f"the keys lost more than the prefix (e.g. {got!r} for {want!r}): str.lstrip removes any of the "
+                "characters you give it from the start, not a prefix; use str.removeprefix")
+    return None
+
+
 @exercise("load_for_serving")
 def check_load_for_serving(fn) -> None:
+    import argparse as _argparse
+
     x = _images(31, 6)
     cases = [(21, "_orig_mod.", "a torch.compile'd model"), (22, "module.", "a DDP-wrapped model"), (23, "", "a plain model")]
     with tempfile.TemporaryDirectory(prefix="course10_") as folder:
         for seed, prefix, label in cases:
-            trained = _small_cnn(seed)
+            trained = _named_cnn(seed)
             path = Path(folder) / f"checkpoint_{seed}.pt"
             _save_as_if_on_gpu(_training_checkpoint(trained, prefix), path)
-            model = _small_cnn(seed + 100).train()
+            model = _named_cnn(seed + 100).train()
             before = {name: value.clone() for name, value in model.state_dict().items()}
+            expected_keys = list(trained.state_dict())
             what = f"load_for_serving(checkpoint of {label}, model)"
-            got = _call(fn, str(path), model, what=what, hints=_LOAD_HINTS)
+            expect_callable(fn)
+            with _LoadWatch(model) as watch:
+                try:
+                    got = fn(str(path), model)
+                except Exception as err:  # noqa: BLE001 -- the learner's error, reported as theirs
+                    if stub_function(err):
+                        raise
+                    fault = next((f for load in watch.loads if load["keys"] and (f := _key_fault(load["keys"], expected_keys, prefix))), None)
+                    advice = f" ({fault})" if fault else error_hint(err, {**ERROR_HINTS, **_LOAD_HINTS})
+                    raise ExerciseFailed(f"{what} raised {type(err).__name__}: {_telling_line(err)}{advice}") from None
+            extra = sorted(_name(g) for g in watch.allowed if g is not _argparse.Namespace)
+            if extra:
+                raise ExerciseFailed(f"{what} allowed {', '.join(extra[:3])} as well as argparse.Namespace: the file needs "
+                                     "that one class, so allow it and nothing else")
             if got is None:
                 raise ExerciseFailed(f"{what} returned None: return the model, with the weights loaded")
             if isinstance(got, dict):
@@ -239,9 +322,19 @@ def check_load_for_serving(fn) -> None:
                 raise ExerciseFailed(f"{what} returned what load_state_dict returns (the key report): return the model itself")
             if not isinstance(got, nn.Module):
                 raise ExerciseFailed(f"{what} returned {a_type(got)}, expected the model (an nn.Module)")
+            lax = [load for load in watch.loads if load["strict"] is False]
+            if lax:
+                keys = lax[0]["keys"] or []
+                fault = _key_fault(keys, expected_keys, prefix)
+                if fault and all(torch.equal(model.state_dict()[k], before[k]) for k in before):
+                    raise ExerciseFailed(f"{what}: load_state_dict(strict=False) ignored every key it did not know, so no "
+                                         f"weight was loaded ({fault}); keep the load strict, so that such a mismatch raises")
+                raise ExerciseFailed(f"{what} called load_state_dict(strict=False): keep the load strict, so that a key you "
+                                     "missed raises instead of leaving a weight untrained")
+            if got is not model:
+                raise ExerciseFailed(f"{what} returned another {type(got).__name__} than the model it was given (a copy?): "
+                                     "load the weights into `model` itself and return it")
             state, saved = got.state_dict(), trained.state_dict()
-            if set(state) != set(saved):
-                raise ExerciseFailed(f"{what} returned a model whose state_dict keys are not the model's: return the model you were given")
             if all(torch.equal(state[name].cpu(), before[name]) for name in saved if name in before):
                 raise ExerciseFailed(f"{what}: the model's weights are unchanged: none of the saved weights reached it")
             for name, value in saved.items():
@@ -261,13 +354,13 @@ def check_load_for_serving(fn) -> None:
         # A checkpoint that also hides code: loading it safely must fail, and must not run the code.
         marker = Path(folder) / "the_checkpoint_ran_code"
         trap = Path(folder) / "checkpoint_with_code.pt"
-        checkpoint = _training_checkpoint(_small_cnn(24), "")
+        checkpoint = _training_checkpoint(_named_cnn(24), "")
         checkpoint["hook"] = _Payload(marker)
         _save_as_if_on_gpu(checkpoint, trap)
         what = "load_for_serving(a checkpoint that also holds a pickled call, model)"
         raised = None
         try:
-            fn(str(trap), _small_cnn(25))
+            fn(str(trap), _named_cnn(25))
         except Exception as err:  # noqa: BLE001 -- the learner's function should raise here
             if stub_function(err):
                 raise
@@ -298,9 +391,11 @@ class _Watched(nn.Module):
         super().__init__()
         self.net = net
         self.log = log
+        self.shapes = _Log()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.log.append((x.shape[0] if x.ndim == 4 else None, self.training, torch.is_grad_enabled()))
+        self.shapes.append(tuple(x.shape))
         return self.net(x)
 
 
@@ -318,7 +413,14 @@ def check_serve_requests(fn) -> None:
         expected = logits.softmax(dim=1)
         shown = f"model, {n} request{'s' if n > 1 else ''} of shape (1, 8, 8), max_batch={max_batch}"
         what = f"serve_requests({shown})"
-        got = call(fn, model, requests, max_batch, shown=shown)
+        try:
+            got = call(fn, model, requests, max_batch, shown=shown)
+        except ExerciseFailed as err:
+            flat = next((s for s in model.shapes if len(s) == 3), None)
+            if flat:
+                raise ExerciseFailed(f"{err.message} (the model got a batch of shape {flat}: torch.cat joined the requests "
+                                     "along their channel dimension; torch.stack adds the batch dimension)") from None
+            raise
         if len(requests) != n or any(not torch.equal(a, b) for a, b in zip(kept, requests)):
             raise ExerciseFailed(f"{what} changed the list of requests or a request in it: leave the caller's requests as they are")
         if got is None:
@@ -328,6 +430,10 @@ def check_serve_requests(fn) -> None:
         sizes = [size for size, _, _ in log]
         if any(size is not None and size > max_batch for size in sizes):
             raise ExerciseFailed(f"{what} ran a forward pass on {max(s for s in sizes if s is not None)} images, more than max_batch={max_batch}")
+        if isinstance(got, torch.Tensor) and got.shape == (n,) and not got.is_floating_point():
+            if torch.equal(got, logits.argmax(dim=1)):
+                raise ExerciseFailed(f"{what} returned the predicted classes, shape ({n},): return the probabilities of "
+                                     f"every class, shape ({n}, {classes}), a softmax over the classes")
         if _differs(got, expected):
             if any(training for _, training, _ in log):
                 raise ExerciseFailed(f"{what} ran the model in train mode, where batch norm uses and updates each batch's own "
@@ -423,74 +529,172 @@ def check_export_from_request(fn) -> None:
         expect_tensor(out, expected, what=f"the exported program's output for a batch of {n}", atol=1e-5)
 
 
-# Exercise 4: scale_if_raw
+# Exercise 4: cascade
 
-def _raw_and_scaled(seed: int) -> list[tuple[str, torch.Tensor]]:
-    """Batches that tell the near-misses apart: raw ones whose max is not 255, an image of only 0s and 1s inside a raw batch, batch 1."""
+_CLASSES = 12  # more than 9: a softmax over the wrong dimension cannot hide
+
+
+def _cascade_models(seed: int) -> tuple[nn.Module, nn.Module]:
+    """The hidden small and large classifiers (64 pixels -> 12 classes), in eval mode."""
+    torch.manual_seed(seed)
+    small = nn.Sequential(nn.Flatten(), nn.Linear(64, _CLASSES)).eval()
+    large = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, _CLASSES)).eval()
+    return small, large
+
+
+def _batch_with_top_logits(small: nn.Module, tops: list[float], seed: int) -> torch.Tensor:
+    """Images whose small-model logits are `top` for one class and 0 for the others: the softmax's top probability of
+    a logit of 6 is 0.97, of 4 is 0.83, of 2 is 0.40 (12 classes), whatever the logit itself."""
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 201, (3, 1, 4, 4), generator=g).float()
-    raw[0, 0, 0, 0] = 200.0                                                     # the brightest pixel is 200, not 255
-    raw[1] = torch.randint(0, 2, (1, 4, 4), generator=g).float()                # a black-and-white image: its raw 0s and 1s
-    raw[1, 0, 0, :2] = torch.tensor([0.0, 1.0])
-    dark = torch.randint(0, 3, (2, 1, 4, 4), generator=g).float()               # a very dark raw batch: values 0, 1 and 2
-    dark[0, 0, 0, 0] = 2.0
-    scaled = torch.rand(4, 1, 4, 4, generator=g)
-    scaled[0, 0, 0, :2] = torch.tensor([1.0, 0.0])                             # 1 is a valid scaled value: it stays as it is
-    single_raw = torch.randint(0, 256, (1, 1, 4, 4), generator=g).float()
-    single_raw[0, 0, 0, 0] = 97.0
-    single_scaled = torch.rand(1, 1, 4, 4, generator=g)
-    return [("a raw batch, values 0 to 200", raw), ("a dark raw batch, values 0 to 2", dark),
-            ("a scaled batch, values in [0, 1]", scaled), ("a raw batch of 1", single_raw), ("a scaled batch of 1", single_scaled)]
+    linear = small[1]
+    target = torch.zeros(len(tops), _CLASSES)
+    target[torch.arange(len(tops)), torch.randint(0, _CLASSES, (len(tops),), generator=g)] = torch.tensor(tops)
+    with torch.no_grad():
+        flat = (target - linear.bias) @ torch.linalg.pinv(linear.weight).T
+    return flat.reshape(-1, 1, 8, 8)
 
 
-_SCALE_HINTS = {
-    "data-dependent": "a Python `if` (or .item()) on a tensor's value cannot be exported: use torch.where(cond, a, b) or torch.cond",
-    "aliasing": "a torch.cond branch may not return its input itself: return x.clone()",
+def _cascade_cases(small: nn.Module) -> list[tuple[str, torch.Tensor, float]]:
+    """Batches of 8 and thresholds that separate the near-misses: sure of all, of none, of some, logits above the
+    threshold while the probabilities are not, and one batch judged against two thresholds."""
+    return [
+        ("a batch the small model is sure of (top probabilities 0.97)", _batch_with_top_logits(small, [6.0] * 8, 1), 0.9),
+        ("a batch it is unsure of (0.40)", _batch_with_top_logits(small, [2.0] * 8, 2), 0.9),
+        ("a batch it is sure of but for 3 images (0.97 and 0.20)", _batch_with_top_logits(small, [6.0] * 5 + [1.0] * 3, 3), 0.9),
+        ("a batch it is sure of but for 1 image (0.97 and 0.83)", _batch_with_top_logits(small, [6.0] * 7 + [4.0], 6), 0.9),
+        ("a batch of top probabilities 0.83, threshold 0.9", _batch_with_top_logits(small, [4.0] * 8, 4), 0.9),
+        ("a batch of top probabilities 0.83, threshold 0.75", _batch_with_top_logits(small, [4.0] * 8, 4), 0.75),
+        ("a batch of top logits 2 (probabilities 0.40), threshold 0.75", _batch_with_top_logits(small, [2.0] * 8, 5), 0.75),
+    ]
+
+
+class _Cascade(nn.Module):
+    """The learner's cascade as a module, with the two models as submodules, so that torch.export lifts their weights."""
+
+    def __init__(self, fn, small: nn.Module, large: nn.Module, threshold: float):
+        super().__init__()
+        self.fn, self.small, self.large, self.threshold = fn, small, large, threshold
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.small, self.large, x, self.threshold)
+
+
+_CASCADE_HINTS = {
+    "data-dependent": "a Python `if` (or .item(), bool()) on a tensor's value cannot be exported: put the branch into the "
+                      "graph with torch.cond(pred, true_fn, false_fn, operands)",
+    "aliasing": "a torch.cond branch may not return one of its operands itself: compute its result inside it (for "
+                "example the softmax) or return a .clone()",
+    "Expected pred to be bool": "torch.cond's pred must be one boolean: reduce the per-image test to one value (.all())",
+    "pred must be a": "torch.cond's pred must be one boolean: reduce the per-image test to one value (.all())",
 }
 
 
-@exercise("scale_if_raw")
-def check_scale_if_raw(fn) -> None:
-    cases = _raw_and_scaled(9)
-    for label, x in cases:
-        what = f"scale_if_raw({label})"
-        given = x.clone()
-        got = call(fn, given, shown=label, hints=_SCALE_HINTS)
-        expect_unchanged(x, given, what=what)
-        expected = scale_if_raw(x)
-        if _differs(got, expected, atol=1e-6):
-            raw = bool(x.max() > 1)
-            if raw and torch.equal(got, x):
-                raise ExerciseFailed(f"{what} returned the batch unchanged: its largest value is {x.max().item():g}, above 1, "
-                                     "so it is raw; divide whenever any value exceeds 1")
-            if raw and torch.equal(got, torch.where(x > 1, x / 255, x)):
-                raise ExerciseFailed(f"{what}: the 0s and 1s of the raw batch were not divided: the test is on the whole batch, "
-                                     "x.max() > 1, not on each element")
-            per_image = torch.where(x.amax(dim=(1, 2, 3), keepdim=True) > 1, x / 255, x)
-            if raw and _close(got, per_image, atol=1e-6):
-                raise ExerciseFailed(f"{what}: an image of only 0s and 1s inside the raw batch was not divided: decide for the whole "
-                                     "batch, not for each image")
-            if not raw and _close(got, x / 255, atol=1e-6):
-                raise ExerciseFailed(f"{what} divided an already scaled batch by 255: its largest value is {x.max().item():g}; "
-                                     "divide only when a value exceeds 1")
-        expect_tensor(got, expected, what=what)
+def _large_outside_cond(ep: ExportedProgram) -> bool:
+    """True when the exported graph computes with the large model's weights outside any torch.cond branch."""
+    to_param = ep.graph_signature.inputs_to_parameters
+    for node in ep.graph.nodes:
+        if node.op == "placeholder" and to_param.get(node.name, "").startswith("large."):
+            if any(user.target is not torch.ops.higher_order.cond for user in node.users):
+                return True
+    return False
 
+
+def _cascade_shape_fault(label: str, got: object, small_logits: torch.Tensor, large_logits: torch.Tensor,
+                         small_p: torch.Tensor, large_p: torch.Tensor, threshold: float) -> str:
+    """What a cascade returned instead of either model's probabilities, where the values prove it; else ''."""
+    top = small_p.amax(dim=1)
+    if _close(got, torch.where((top >= threshold)[:, None], small_p, large_p)):
+        return (f"on {label}, each image got the model chosen for it alone: the whole batch goes to one model "
+                "(one boolean for the batch, one torch.cond)")
+    for name, logits in (("small", small_logits), ("large", large_logits)):
+        if _close(got, logits):
+            return f"on {label}, returned the {name} model's logits: return probabilities, a softmax over the classes"
+        if _close(got, logits.softmax(dim=0)):
+            return f"on {label}, the softmax ran over the batch (dim 0): take it over the classes, dim=1"
+        if _close(got, logits.log_softmax(dim=1)):
+            return f"on {label}, returned log-probabilities: return probabilities, a softmax over the classes"
+    return ""
+
+
+def _routing_fault(runs: list[dict]) -> str:
+    """Which rule a cascade's choices of model follow, when it is not the exercise's: every case ran, and each answer
+    was one model's probabilities."""
+    chose = [r["chose"] for r in runs]
+    rules = {
+        "the branches are swapped: it answers with the large model when the small one is sure, and the reverse":
+            [not r["sure"] for r in runs],
+        "it answers with the small model when it is sure of at least one image (.any()); every image's top probability "
+        "must reach the threshold (.all(), or the minimum)": [bool((r["top"] >= r["threshold"]).any()) for r in runs],
+        "it compares the mean of the top probabilities with the threshold; every image's must reach it (.all(), or the "
+        "minimum)": [bool(r["top"].mean() >= r["threshold"]) for r in runs],
+        "it compares the small model's logits with the threshold, not its probabilities (a softmax over the classes)":
+            [bool((r["logit_top"] >= r["threshold"]).all()) for r in runs],
+    }
+    for fault, choices in rules.items():
+        if chose == choices:
+            return fault
+    for fixed in sorted({round(float(v), 3) for r in runs for v in r["top"]} | {0.5, 0.8, 0.9, 0.95}):
+        if chose == [bool((r["top"] >= fixed).all()) for r in runs]:
+            return (f"its choices follow a fixed threshold, not the `threshold` argument: with threshold "
+                    f"{runs[-2]['threshold']:g} it answered {runs[-2]['label']} with the "
+                    f"{'small' if chose[-2] else 'large'} model")
+    wrong = next(r for r in runs if r["chose"] != r["sure"])
+    return (f"answered {wrong['label']} with the {'small' if wrong['chose'] else 'large'} model, expected the "
+            f"{'small' if wrong['sure'] else 'large'} one")
+
+
+@exercise("cascade")
+def check_cascade(fn) -> None:
+    expect_callable(fn)
+    small, large = _cascade_models(71)
+    runs = []
+    for label, x, threshold in _cascade_cases(small):
+        given = x.clone()
+        with torch.no_grad():
+            small_logits, large_logits = small(x), large(x)
+        small_p, large_p = small_logits.softmax(dim=1), large_logits.softmax(dim=1)
+        top = small_p.amax(dim=1)
+        what = f"cascade(small, large, {label})"
+        with quiet(), torch.no_grad():
+            got = call(fn, small, large, given, threshold, shown=f"small, large, {label}", hints=_CASCADE_HINTS)
+        expect_unchanged(x, given, what=what)
+        sure = bool((top >= threshold).all())
+        expected = small_p if sure else large_p
+        if not (_close(got, small_p) or _close(got, large_p)):
+            fault = _cascade_shape_fault(label, got, small_logits, large_logits, small_p, large_p, threshold)
+            if fault:
+                raise ExerciseFailed(f"cascade(small, large, x, threshold) {fault}")
+            expect_tensor(got, expected, what=what, atol=1e-5)
+        runs.append({"label": label, "threshold": threshold, "top": top, "logit_top": small_logits.amax(dim=1),
+                     "sure": sure, "chose": _close(got, small_p)})
+    if any(r["chose"] != r["sure"] for r in runs):
+        raise ExerciseFailed(f"cascade(small, large, x, threshold): {_routing_fault(runs)}")
+
+    exported = _Cascade(fn, small, large, 0.9).eval()
+    first = _cascade_cases(small)[0][1]
     with quiet():
         try:
-            ep = torch.export.export(_Wrap(fn), (cases[2][1],), dynamic_shapes=({0: Dim("batch", min=1)},))
+            ep = torch.export.export(exported, (first,))
         except Exception as err:  # noqa: BLE001 -- the learner's code failed to export
             if stub_function(err):
                 raise
-            advice = error_hint(err, _SCALE_HINTS)
-            raise ExerciseFailed(f"torch.export.export could not export scale_if_raw: {type(err).__name__}: "
+            advice = error_hint(err, _CASCADE_HINTS)
+            raise ExerciseFailed(f"torch.export.export could not export cascade: {type(err).__name__}: "
                                  f"{first_lines(err, width=90)}{advice}") from None
+    if _large_outside_cond(ep):
+        raise ExerciseFailed("the exported cascade runs the large model on every batch (its weights are used outside any "
+                             "torch.cond branch, as with torch.where, which computes both sides): put the large model "
+                             "inside a torch.cond branch, so that it runs only when needed")
     module = ep.module()
-    for label, x in cases:
-        try:
-            out = module(x.clone())
-        except Exception as err:  # noqa: BLE001 -- a guard of the learner's exported program
-            raise ExerciseFailed(f"the exported scale_if_raw refuses {label}: {type(err).__name__}: {first_lines(err, width=90)}") from None
-        expect_tensor(out, scale_if_raw(x), what=f"the exported scale_if_raw on {label}")
+    for label, x, threshold in _cascade_cases(small)[:3]:
+        with torch.no_grad():
+            small_p, large_p = small(x).softmax(dim=1), large(x).softmax(dim=1)
+            expected = small_p if bool((small_p.amax(dim=1) >= threshold).all()) else large_p
+            try:
+                out = module(x.clone())
+            except Exception as err:  # noqa: BLE001 -- a guard of the learner's exported program
+                raise ExerciseFailed(f"the exported cascade refuses {label}: {type(err).__name__}: {first_lines(err, width=90)}") from None
+        expect_tensor(out, expected, what=f"the exported cascade on {label}", atol=1e-5)
 
 
 # Exercise 5: export_onnx
@@ -535,6 +739,54 @@ def _onnx_warning(messages: list[str]) -> str | None:
     return None
 
 
+class _OnnxWatch:
+    """What a learner's export_onnx did while it ran: its torch.onnx.export calls (their keyword arguments), the batch
+    sizes it ran ONNX Runtime on, and the model's own forward passes on real tensors (batch size, train mode)."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.exports, self.sessions, self.forwards = model, [], [], []
+
+    def __enter__(self) -> "_OnnxWatch":
+        import onnxruntime as ort
+
+        self._export, self._run = torch.onnx.export, ort.InferenceSession.run
+        real_export, real_run, watch = self._export, self._run, self
+
+        def export(*args, **kwargs):
+            exported = args[0] if args else kwargs.get("model")
+            watch.exports.append({**kwargs, "_training": exported.training if isinstance(exported, nn.Module) else None})
+            return real_export(*args, **kwargs)
+
+        def run(session, output_names, input_feed, *args, **kwargs):
+            sizes = [len(v) for v in input_feed.values()] if isinstance(input_feed, dict) else []
+            watch.sessions.append(sizes[0] if sizes else None)
+            return real_run(session, output_names, input_feed, *args, **kwargs)
+
+        def forward_seen(module, args):
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor) and not torch.compiler.is_compiling():
+                watch.forwards.append((len(x), module.training))
+
+        torch.onnx.export = export
+        ort.InferenceSession.run = run
+        self._hook = self.model.register_forward_pre_hook(forward_seen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import onnxruntime as ort
+
+        torch.onnx.export = self._export
+        ort.InferenceSession.run = self._run
+        self._hook.remove()
+
+
+def _legacy_file(model_proto) -> bool:
+    """True when the file came from the TorchScript-based exporter: the dynamo exporter tags every node with its
+    origin (metadata keys pkg.torch.onnx.*), the old one tags none."""
+    return bool(model_proto.graph.node) and not any(
+        prop.key.startswith("pkg.torch.onnx") for node in model_proto.graph.node for prop in node.metadata_props)
+
+
 @exercise("export_onnx")
 def check_export_onnx(fn) -> None:
     import onnx
@@ -548,11 +800,19 @@ def check_export_onnx(fn) -> None:
     what = f"export_onnx({shown})"
     with tempfile.TemporaryDirectory(prefix="course10_") as folder:
         path = Path(folder) / "scorer.onnx"
-        with warnings.catch_warnings(record=True) as caught, quiet():
+        with warnings.catch_warnings(record=True) as caught, quiet(), _OnnxWatch(model) as watch:
             warnings.simplefilter("always")
             got = _call(fn, model, example, str(path), what=what, hints=_ONNX_HINTS)
         messages = [str(w.message) for w in caught]
         expect_unchanged(kept, example, what=what)
+        if any(call.get("dynamo") is False for call in watch.exports):
+            raise ExerciseFailed(f"{what} used the legacy TorchScript-based exporter (dynamo=False): export with dynamo=True")
+        if any(call.get("dynamic_axes") for call in watch.exports):
+            raise ExerciseFailed(f"{what} used the old dynamic_axes spelling: with the dynamo exporter mark the batch with "
+                                 "dynamic_shapes and a Dim")
+        if any(call["_training"] for call in watch.exports):
+            raise ExerciseFailed(f"{what} exported the model in train mode (torch.onnx.export warns about it: a train-mode "
+                                 "graph may keep dropout on): call model.eval() before exporting")
         how = _onnx_warning(messages)
         if how:
             raise ExerciseFailed(f"{what} {how}")
@@ -564,9 +824,13 @@ def check_export_onnx(fn) -> None:
                                  "(external_data=False)")
         try:
             onnx.checker.check_model(str(path), full_check=True)
+            proto = onnx.load(str(path), load_external_data=False)
             session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         except Exception as err:  # noqa: BLE001 -- the learner's file
             raise ExerciseFailed(f"the file at path is not a valid ONNX model: {type(err).__name__}: {first_lines(err, width=90)}") from None
+        if _legacy_file(proto):
+            raise ExerciseFailed(f"{what} wrote its file with the legacy TorchScript-based exporter (its nodes carry none of the "
+                                 "dynamo exporter's pkg.torch.onnx metadata): export with dynamo=True")
         inputs, outputs = session.get_inputs(), session.get_outputs()
         if [i.name for i in inputs] != ["images"]:
             raise ExerciseFailed(f"the file's inputs are named {[i.name for i in inputs]}, expected ['images']: name them at export")
@@ -593,13 +857,16 @@ def check_export_onnx(fn) -> None:
             expect_tensor(out, expected, what=f"ONNX Runtime's output for a batch of {n}", atol=1e-4 * scale, rtol=1e-4)
 
         # The learner's session may use other threads or settings, so measure the range a few sessions give.
-        measured = []
+        measured, means, relative = [], [], []
         for threads in (0, 1):
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads
             other = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
             with torch.no_grad():
-                measured.append(max(float(np.abs(run(other, x) - reference(x).numpy()).max()) for x in (example[:1], example)))
+                diffs = [(np.abs(run(other, x) - reference(x).numpy()), reference(x).numpy()) for x in (example[:1], example)]
+            measured.append(max(float(d.max()) for d, _ in diffs))
+            means.append(max(float(d.mean()) for d, _ in diffs))
+            relative.append(max(float((d / (np.abs(r) + 1e-12)).max()) for d, r in diffs))
     if got is None:
         raise ExerciseFailed(f"{what} returned None: return the largest absolute difference you measured, a Python float")
     if isinstance(got, torch.Tensor):
@@ -608,7 +875,23 @@ def check_export_onnx(fn) -> None:
         raise ExerciseFailed(f"{what} returned {a_type(got)}: return a Python float, float(...)")
     if not isinstance(got, float):
         raise ExerciseFailed(f"{what} returned {a_type(got)}, expected a Python float")
+    ran = sorted(set(s for s in watch.sessions if s is not None))
+    if not watch.sessions:
+        raise ExerciseFailed(f"{what} never ran ONNX Runtime: open the file with onnxruntime.InferenceSession and run it on "
+                             "the example and on its first image alone")
+    if not {1, len(example)} <= set(ran):
+        missing = "a batch of 1 (the example's first image alone)" if 1 not in ran else f"the whole example ({len(example)})"
+        raise ExerciseFailed(f"{what} ran ONNX Runtime on batches of {ran} only: compare on {missing} too, as the exercise asks")
+    if watch.forwards and all(training for _, training in watch.forwards):
+        raise ExerciseFailed(f"{what} returned {got:.3g}, measured against the model in train mode (dropout on, batch norm "
+                             "on the batch's own statistics): put it in eval mode before comparing")
     low, high = min(measured), max(measured)
     if not low / 2 - 1e-7 <= got <= 2 * high + 1e-6:   # a max differs from a mean, a zero or a train-mode comparison by more
+        if got > 0 and min(means) / 2 <= got <= 2 * max(means):
+            raise ExerciseFailed(f"{what} returned {got:.3g}, the mean absolute difference; return the largest, "
+                                 f"{high:.3g} here (np.abs(a - b).max())")
+        if got > 0 and min(relative) / 2 <= got <= 2 * max(relative):
+            raise ExerciseFailed(f"{what} returned {got:.3g}, a relative difference; return the largest absolute one, "
+                                 f"{high:.3g} here")
         raise ExerciseFailed(f"{what} returned {got:.3g}, but ONNX Runtime and the model in eval mode differ by up to {high:.3g} "
                              "on the example and on its first image alone")

@@ -68,6 +68,31 @@ def test_workers_run_several_tasks_then_close_leaving_no_process(capfd):
     assert "C++ noise" not in capfd.readouterr().err     # the ranks' fd 2 goes to a log file, not to the notebook
 
 
+def ddp_once(rank: int, world_size: int) -> int:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    DDP(torch.nn.Linear(2, 2))(torch.ones(1, 2)).sum().backward()   # imports torch._dynamo, whose shutdown is slow
+    return rank
+
+
+def test_ranks_leave_at_once_on_close_even_after_ddp():
+    """Each rank sends its last reply and leaves with os._exit: close() never has to terminate one (exit code 0, not -15)."""
+    with Workers(2) as workers:
+        assert workers.run(ddp_once, show=False) == [0, 1]
+        processes = list(workers.processes)
+    assert [p.exitcode for p in processes] == [0, 0]
+
+
+def test_one_rank_group_is_real_and_removed_afterwards():
+    hook = sys.excepthook
+    with distributed.one_rank_group() as usable:
+        assert usable and dist.is_initialized() and dist.get_world_size() == 1
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.ones(2))
+    assert not dist.is_initialized() and sys.excepthook is hook
+
+
 def test_an_error_on_one_rank_is_reported_and_the_workers_go_on():
     with Workers(2) as workers:
         with pytest.raises(RankError, match="rank 1 raised ValueError: bad input on rank one"):
