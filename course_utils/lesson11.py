@@ -1,0 +1,1414 @@
+"""Lesson 11 (the capstone): helpers for the notebook, the course's references, and the checks of the learner's
+five files: capstone_data.py, capstone_model.py, capstone_train.py, capstone_decode.py and capstone_ship.py.
+
+The learner writes each file with a %%writefile cell; each check receives the file's path, imports it afresh
+(never the notebook's copy) and judges what its code does on hidden data. The training script is run on two
+real ranks by course_utils.capstone_probe, which records what each rank did.
+"""
+
+import ast
+import contextlib
+import importlib.util
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pad_sequence
+from torch.overrides import TorchFunctionMode
+
+from course_utils import addition
+from course_utils.addition import DIGITS, END, EQUALS, IGNORE, MAX_ANSWER, MAX_LEN, PAD, PLUS, PROMPT_LEN, VOCAB_SIZE
+from course_utils.tooling.checks import (
+    ExerciseFailed,
+    ExerciseNotAttempted,
+    a_type,
+    exercise,
+    exercise_seconds,
+    first_line,
+    not_attempted_message,
+    scoreboard_for,
+    stub_frame,
+)
+
+scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
+
+FILES = ("capstone_data", "capstone_model", "capstone_train", "capstone_decode", "capstone_ship")
+
+
+# Helpers for the notebook.
+
+def load(path: str | os.PathLike):
+    """Import one of your capstone files afresh (after its %%writefile cell ran again), with the files beside it."""
+    path = Path(path).resolve()
+    for name in FILES:  # the others import each other by name: they must come from this folder, as they are now
+        sys.modules.pop(name, None)
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (avx512_bf16 or amx_bf16, Linux), so that autocast to it is faster."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """The checkpoint of the most steps in a run's folder (step_000800.pt), or None when there is none."""
+    found = sorted(Path(folder).glob("step_*.pt"))
+    return found[-1] if found else None
+
+
+def demo(fn: Callable):
+    """Run a demo that uses your files and return what it returns; where it reaches an untouched stub, or raises,
+    print that in place of a traceback and return None, so that the notebook runs on (the checks say what is wrong)."""
+    try:
+        return fn()
+    except NotImplementedError as err:
+        stub = stub_frame(err)
+        if stub is None:
+            raise
+        print(f"skipped: {stub[0]} in {Path(stub[1]).name} is not written yet")
+    except Exception as err:  # noqa: BLE001 -- the learner's code: shown, not raised
+        print(f"your code raised {type(err).__name__}: {_line(err)}{_where_in_learner(err)}")
+    return None
+
+
+class _AttentionRecorder(TorchFunctionMode):
+    """Records every attention pattern a forward computes: F.scaled_dot_product_attention's (recomputed from q and k),
+    or the softmax over the last dimension of a (N, heads, T, T) score tensor, for attention written by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.maps: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            q, k = args[0], args[1]
+            scale = kwargs.get("scale") or 1 / math.sqrt(q.shape[-1])
+            scores = q.float() @ k.float().transpose(-2, -1) * scale
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            if kwargs.get("is_causal", args[5] if len(args) > 5 else False):
+                mask = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+            self.maps.append(scores.softmax(-1).detach())
+        elif func in (torch.softmax, F.softmax, torch.Tensor.softmax) and isinstance(out, torch.Tensor) and out.ndim == 4 \
+                and out.shape[-1] == out.shape[-2]:
+            self.maps.append(out.detach().float())
+        return out
+
+
+def attention_maps(model: nn.Module, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """The attention weights of every layer, (heads, T, T) each, for one sequence of tokens (1-D), in eval mode."""
+    recorder = _AttentionRecorder()
+    with torch.inference_mode(), recorder:
+        model(tokens.view(1, -1))
+    return [m[0] for m in recorder.maps]
+
+
+# The course's references: what the checks compare with.
+
+def encode(a: int, b: int) -> tuple[list[int], list[int]]:
+    """(prompt, answer): "0123+0045=" as token ids; the sum's digits least significant first, then END."""
+    def padded(n: int) -> list[int]:
+        return [int(c) for c in f"{n:0{DIGITS}d}"]
+
+    return padded(a) + [PLUS] + padded(b) + [EQUALS], [int(c) for c in reversed(str(a + b))] + [END]
+
+
+def collate(batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), (N, longest - 1) each: inputs padded with PAD, targets shifted by one with IGNORE on the prompt and the padding."""
+    inputs = pad_sequence([s[:-1] for s in batch], batch_first=True, padding_value=PAD)
+    targets = pad_sequence([s[1:] for s in batch], batch_first=True, padding_value=IGNORE)
+    targets[:, :PROMPT_LEN - 1] = IGNORE
+    return inputs, targets
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: x + attention(LN(x)), then x + MLP(LN(x))."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float):
+        super().__init__()
+        self.n_heads, self.dropout = n_heads, dropout
+        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape
+        q, k, v = (z.view(n, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in self.qkv(self.norm1(x)).split(d, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(n, t, d)))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class TinyGPT(nn.Module):
+    """The course's decoder-only transformer: (N, T) token ids -> (N, T, vocab_size) logits."""
+
+    def __init__(self, vocab_size: int, max_len: int, d_model: int, n_heads: int, n_layers: int, dropout: float = 0.0):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab_size, d_model), nn.Embedding(max_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
+        self.norm, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.tokens.weight
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def greedy(model: Callable, prompts: torch.Tensor, max_new_tokens: int) -> list[list[int]]:
+    """The course's greedy decoding, one forward per new token for the whole batch: each row's tokens before END."""
+    tokens, answers, done = prompts, [[] for _ in range(len(prompts))], torch.zeros(len(prompts), dtype=torch.bool)
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            nxt = torch.as_tensor(model(tokens))[:, -1].argmax(-1)
+            for i in (~done).nonzero().flatten().tolist():
+                if nxt[i] != END:
+                    answers[i].append(int(nxt[i]))
+            done |= nxt == END
+            if done.all():
+                break
+            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+    return answers
+
+
+def prompts_of(problems: list[tuple[int, int]]) -> torch.Tensor:
+    """The prompts of problems as one (N, PROMPT_LEN) tensor."""
+    return torch.tensor([encode(a, b)[0] for a, b in problems])
+
+
+def answer_tokens(a: int, b: int) -> list[int]:
+    """The right answer's tokens without END."""
+    return encode(a, b)[1][:-1]
+
+
+def accuracy_by_carries(answers: list[list[int]], problems: list[tuple[int, int]]) -> dict[int, float]:
+    """{carries: fraction of those problems answered exactly}, for the carry counts present."""
+    right: dict[int, list[bool]] = {}
+    for (a, b), got in zip(problems, answers):
+        right.setdefault(addition.carries(a, b), []).append(list(got) == answer_tokens(a, b))
+    return {c: sum(v) / len(v) for c, v in sorted(right.items())}
+
+
+class OracleAdder(nn.Module):
+    """A stand-in for a trained model that keeps the model's contract ((N, T) ids -> (N, T, VOCAB_SIZE) logits, causal):
+    after a well-formed prompt and the right answer so far, it predicts the next answer token (END at the end); after
+    anything else, PAD. Every call is recorded: its input's shape and whether inference mode was on."""
+
+    def __init__(self, never_ends: bool = False):
+        super().__init__()
+        self.never_ends = never_ends
+        self.calls: list[dict] = []
+
+    def next_token(self, row: list[int]) -> int:
+        if len(row) < PROMPT_LEN or row[DIGITS] != PLUS or row[PROMPT_LEN - 1] != EQUALS:
+            return PAD
+        a = int("".join(map(str, row[:DIGITS]))) if all(t < 10 for t in row[:DIGITS]) else None
+        b = int("".join(map(str, row[DIGITS + 1:PROMPT_LEN - 1]))) if all(t < 10 for t in row[DIGITS + 1:PROMPT_LEN - 1]) else None
+        if a is None or b is None:
+            return PAD
+        answer = [7] * 99 if self.never_ends else encode(a, b)[1]
+        so_far = row[PROMPT_LEN:]
+        if so_far != answer[:len(so_far)] or len(so_far) >= len(answer):
+            return PAD
+        return answer[len(so_far)]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls.append({"shape": tuple(tokens.shape), "inference": torch.is_inference_mode_enabled(),
+                           "grad": torch.is_grad_enabled(), "dtype": tokens.dtype})
+        rows = tokens.tolist()
+        logits = torch.zeros(len(rows), tokens.shape[1], VOCAB_SIZE)
+        for i, row in enumerate(rows):
+            for t in range(len(row)):
+                logits[i, t, self.next_token(row[:t + 1])] = 10.0
+        return logits
+
+
+class CountingModel(nn.Module):
+    """Wraps a model to record the shape of every call (the batch a forward sees), and whether inference mode was on."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.calls: list[dict] = []
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls.append({"shape": tuple(tokens.shape), "inference": torch.is_inference_mode_enabled(),
+                           "grad": torch.is_grad_enabled(), "dtype": tokens.dtype})
+        return self.model(tokens)
+
+
+def _spread(model: nn.Module, seed: int, std: float = 0.3) -> nn.Module:
+    """Redraw a model's weights with a larger spread, so that its greedy choices are clear-cut (no near-ties to flip)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+# Loading a learner's file.
+
+NOT_ATTEMPTED = "not attempted yet"
+
+
+def _expect_file(path, name: str) -> Path:
+    if path is None:
+        raise ExerciseFailed(f"expected the path of your {name}.py, got None: run the cell that sets it")
+    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
+        raise ExerciseFailed(f"expected the path of your {name}.py (a str or pathlib.Path), got {a_type(path)}")
+    file = Path(path)
+    if file.stem != name:
+        raise ExerciseFailed(f"expected the path of your {name}.py, got one of {file.name}")
+    if not file.is_file():
+        raise ExerciseFailed(f"{file.name} does not exist: run its %%writefile cell above")
+    return file.resolve()
+
+
+def _imports_the_course_reference(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] + [f"{node.module}.{alias.name}" for alias in node.names]
+        if any(re.search(r"(^|\.)lesson11$", n) for n in names):
+            return True
+    return False
+
+
+def _learner_module(path, name: str):
+    """The learner's file `name`.py imported afresh, with the files beside it; one line for whatever goes wrong."""
+    file = _expect_file(path, name)
+    text = file.read_text(encoding="utf-8", errors="replace")
+    try:
+        tree = ast.parse(text)
+    except SyntaxError as err:
+        raise ExerciseFailed(f"{file.name} does not parse: SyntaxError at line {err.lineno}: {err.msg}") from None
+    if _imports_the_course_reference(tree):
+        raise ExerciseFailed(f"{file.name} imports course_utils.lesson11, the course's references and checks: write your own")
+    saved = list(sys.path)
+    try:
+        return load(file)
+    except NotImplementedError:
+        raise  # an untouched stub at import time
+    except Exception as err:  # noqa: BLE001 -- the learner's file
+        line = next((tb.tb_lineno for tb in _traceback(err) if Path(tb.tb_frame.f_code.co_filename).resolve() == file), None)
+        at = f" (line {line})" if line else ""
+        raise ExerciseFailed(f"importing {file.name} raised {type(err).__name__}: {first_line(err)}{at}") from None
+    finally:
+        sys.path[:] = saved
+
+
+def _traceback(err: BaseException) -> Iterator:
+    tb = err.__traceback__
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+@contextlib.contextmanager
+def _stubs(name: str, folder: Path) -> Iterator[None]:
+    """An untouched stub in this exercise's file is 'not attempted'; one in an earlier file says which."""
+    try:
+        yield
+    except NotImplementedError as err:
+        stub = stub_frame(err)
+        if stub is None or Path(stub[1]).resolve().parent != folder:
+            raise
+        if Path(stub[1]).stem == name:
+            raise ExerciseNotAttempted(not_attempted_message(name)) from None
+        raise ExerciseNotAttempted(f"{NOT_ATTEMPTED}: your code reaches the `raise NotImplementedError()` stub of "
+                                   f"{stub[0]} in {Path(stub[1]).name}, an exercise before this one") from None
+
+
+def _learner_call(fn: Callable, *args, what: str) -> object:
+    """Call the learner's function; its exception becomes one line that names the call (stubs pass through)."""
+    try:
+        return fn(*args)
+    except NotImplementedError as err:
+        if stub_frame(err) is not None:
+            raise
+        raise ExerciseFailed(f"{what} raised NotImplementedError: {_line(err)}{_where_in_learner(err)}") from None
+    except (ExerciseFailed, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as err:  # noqa: BLE001 -- the learner's error
+        raise ExerciseFailed(f"{what} raised {type(err).__name__}: {_line(err)}{_where_in_learner(err)}") from None
+
+
+def _line(err: BaseException) -> str:
+    """The first line of an error's message, without terminal colour codes (the ONNX exporter's have them)."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", first_line(err))
+
+
+def _where_in_learner(err: BaseException) -> str:
+    found = None
+    for tb in _traceback(err):
+        name = tb.tb_frame.f_code.co_filename
+        if Path(name).stem in FILES:
+            found = (Path(name).name, tb.tb_lineno)
+    return f" ({found[0]}, line {found[1]})" if found else ""
+
+
+def _show(tokens) -> str:
+    return repr(addition.text(tokens))
+
+
+# Exercise 1: capstone_data
+
+DATA_PROBLEMS = [(0, 0), (9999, 9999), (5, 1234), (1000, 9000), (73, 8), (406, 5994), (1, 9999), (8, 1), (58, 4077)]
+
+
+def _token_list(value, what: str) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        raise ExerciseFailed(f"{what} is a tensor: return a list of Python ints")
+    if not isinstance(value, (list, tuple)):
+        raise ExerciseFailed(f"{what} is {a_type(value)}, expected a list of token ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        odd = next(t for t in value if not isinstance(t, int) or isinstance(t, bool))
+        raise ExerciseFailed(f"{what} holds {a_type(odd)}, expected Python ints")
+    return list(value)
+
+
+def _check_encode(module) -> None:
+    encode_fn = getattr(module, "encode", None)
+    if not callable(encode_fn):
+        raise ExerciseFailed("capstone_data.py has no function encode(a, b)")
+    for a, b in DATA_PROBLEMS:
+        what = f"encode({a}, {b})"
+        got = _learner_call(encode_fn, a, b, what=what)
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise ExerciseFailed(f"{what} returned {a_type(got)}, expected a pair (prompt, answer)")
+        prompt, answer = _token_list(got[0], f"{what}'s prompt"), _token_list(got[1], f"{what}'s answer")
+        want_prompt, want_answer = encode(a, b)
+        if prompt != want_prompt:
+            plain = [int(c) for c in str(a)] + [PLUS] + [int(c) for c in str(b)] + [EQUALS]
+            hint = f": write each number with {DIGITS} digits, leading zeros included" if prompt == plain else ""
+            raise ExerciseFailed(f"{what}: the prompt is {_show(prompt)}, expected {_show(want_prompt)}{hint}")
+        if answer != want_answer:
+            digits = [int(c) for c in str(a + b)]
+            if answer == digits + [END]:
+                hint = ": the sum's digits go least significant first"
+            elif answer == want_answer[:-1]:
+                hint = f": end the answer with END ({END})"
+            elif len(answer) == MAX_ANSWER and answer[:len(want_answer) - 1] == want_answer[:-1]:
+                hint = ": write the sum's own digits, without padding it to a fixed length"
+            else:
+                hint = ""
+            raise ExerciseFailed(f"{what}: the answer is {_show(answer)}, expected {_show(want_answer)}{hint}")
+
+
+def _check_dataset(module) -> list[torch.Tensor]:
+    cls = getattr(module, "AdditionDataset", None)
+    if cls is None:
+        raise ExerciseFailed("capstone_data.py has no class AdditionDataset")
+    problems = [(12, 3456), (9999, 1), (0, 7), (4321, 5678), (505, 505)]
+    given = list(problems)
+    dataset = _learner_call(cls, given, what="AdditionDataset(problems)")
+    if given != problems:
+        raise ExerciseFailed("AdditionDataset(problems) changed the list of problems it was given")
+    n = _learner_call(len, dataset, what="len(AdditionDataset(problems))")
+    if n != len(problems):
+        raise ExerciseFailed(f"len(AdditionDataset(5 problems)) is {n!r}, expected 5")
+    items = []
+    for i, (a, b) in enumerate(problems):
+        item = _learner_call(dataset.__getitem__, i, what=f"dataset[{i}]")
+        want = torch.tensor(sum(encode(a, b), []))
+        if not isinstance(item, torch.Tensor):
+            raise ExerciseFailed(f"dataset[{i}] is {a_type(item)}, expected a 1-D int64 tensor of the prompt's and the answer's tokens")
+        if item.dtype != torch.int64 or item.ndim != 1:
+            raise ExerciseFailed(f"dataset[{i}] is a {item.ndim}-D {item.dtype} tensor, expected a 1-D int64 tensor")
+        if not torch.equal(item, want):
+            raise ExerciseFailed(f"dataset[{i}] for {a}+{b} holds {_show(item)}, expected the prompt then the answer: {_show(want)}")
+        items.append(item)
+    return items
+
+
+def _check_collate(module) -> None:
+    collate_fn = getattr(module, "collate", None)
+    if not callable(collate_fn):
+        raise ExerciseFailed("capstone_data.py has no function collate(batch)")
+    problems = [(3, 4), (999, 999), (406, 5994), (0, 0), (12, 34)]  # the longest is shorter than the longest possible
+    batch = [torch.tensor(sum(encode(a, b), [])) for a, b in problems]
+    before = [s.clone() for s in batch]
+    got = _learner_call(collate_fn, batch, what="collate(a batch of 5 sequences)")
+    if any(not torch.equal(a, b) for a, b in zip(before, batch)) or len(batch) != 5:
+        raise ExerciseFailed("collate changed the sequences it was given: build new tensors")
+    if not isinstance(got, (tuple, list)) or len(got) != 2 or not all(isinstance(t, torch.Tensor) for t in got):
+        raise ExerciseFailed(f"collate returned {a_type(got)}, expected a pair of tensors (inputs, targets)")
+    inputs, targets = got
+    want_inputs, want_targets = collate(batch)
+    for what, tensor, want in (("inputs", inputs, want_inputs), ("targets", targets, want_targets)):
+        if tensor.dtype != torch.int64:
+            raise ExerciseFailed(f"collate's {what} are {tensor.dtype}, expected int64 token ids")
+        if tuple(tensor.shape) != tuple(want.shape):
+            longest = max(len(s) for s in batch)
+            hint = (f": pad to the longest sequence of the batch ({longest} tokens), minus the last token" if tensor.ndim == 2
+                    and tensor.shape[0] == len(batch) else "")
+            raise ExerciseFailed(f"collate's {what} have shape {tuple(tensor.shape)}, expected {tuple(want.shape)}{hint}")
+    if not torch.equal(inputs, want_inputs):
+        if torch.equal(inputs.masked_fill(want_inputs == PAD, PAD), want_inputs):
+            pad = inputs[want_inputs == PAD][0].item()
+            raise ExerciseFailed(f"collate pads the inputs with {pad}" + (", the digit zero" if pad == 0 else "")
+                                 + f": pad them with PAD ({PAD})")
+        row = next(i for i in range(len(batch)) if not torch.equal(inputs[i], want_inputs[i]))
+        raise ExerciseFailed(f"collate's inputs for sequence {row} are {_show(inputs[row])}, expected {_show(want_inputs[row])}: "
+                             "each sequence without its last token, then padding")
+    if torch.equal(targets, want_targets):
+        return
+    real = want_targets != IGNORE
+    if not torch.equal(targets[real], want_targets[real]):
+        if (targets[:, PROMPT_LEN - 1] == IGNORE).all():
+            raise ExerciseFailed(f"collate's targets ignore position {PROMPT_LEN - 1}, whose target is the answer's first digit: "
+                                 f"only positions 0 to {PROMPT_LEN - 2} predict prompt tokens")
+        if torch.equal(targets[real], want_inputs[real]):
+            raise ExerciseFailed("collate's targets are the inputs themselves: the target at each position is the token after it")
+        row = next(i for i in range(len(batch)) if not torch.equal(targets[i][real[i]], want_targets[i][real[i]]))
+        raise ExerciseFailed(f"collate's targets for sequence {row} ({problems[row][0]}+{problems[row][1]}) are "
+                             f"{targets[row].tolist()}, expected {want_targets[row].tolist()}")
+    padding = (want_inputs == PAD) & (targets != IGNORE)
+    if padding.any():
+        raise ExerciseFailed(f"collate's targets hold {targets[padding][0].item()} at padded positions: put IGNORE ({IGNORE}) "
+                             "there, or the loss counts the padding")
+    raise ExerciseFailed(f"collate's targets at the prompt's positions (0 to {PROMPT_LEN - 2}) are not IGNORE ({IGNORE}): put "
+                         "IGNORE there, since the prompt is given, not predicted")
+
+
+@exercise("capstone_data")
+def check_capstone_data(path) -> None:
+    file = _expect_file(path, "capstone_data")
+    with _stubs("capstone_data", file.parent):
+        module = _learner_module(file, "capstone_data")
+        _check_encode(module)
+        _check_dataset(module)
+        _check_collate(module)
+        dataset = _learner_call(module.AdditionDataset, addition.problems(7, 5), what="AdditionDataset(7 problems)")
+        loader = torch.utils.data.DataLoader(dataset, batch_size=3, collate_fn=module.collate)
+        sizes = [tuple(inputs.shape) for inputs, _ in _learner_call(list, loader, what="a DataLoader of your dataset and collate")]
+        if [s[0] for s in sizes] != [3, 3, 1]:
+            raise ExerciseFailed(f"a DataLoader(batch_size=3) over 7 problems gave batches of {[s[0] for s in sizes]}, expected [3, 3, 1]")
+
+
+# Exercise 2: capstone_model
+
+LESSON_SIZES = {"d_model": 64, "n_heads": 4, "n_layers": 2}
+PARAMETER_BUDGET = 110_000   # the course's model has 101,952 at LESSON_SIZES (102,848 without weight tying)
+MODEL_SIZES = [{"d_model": 24, "n_heads": 3, "n_layers": 2}, {"d_model": 32, "n_heads": 4, "n_layers": 1}]
+
+
+def _sizes(sizes: dict, dropout: float) -> str:
+    return ", ".join(f"{k}={v}" for k, v in {**sizes, "dropout": dropout}.items())
+
+
+def _build(cls, sizes: dict, dropout: float = 0.0) -> nn.Module:
+    what = f"TinyGPT({_sizes(sizes, dropout)})"
+    model = _learner_call(lambda: cls(vocab_size=VOCAB_SIZE, max_len=MAX_LEN, dropout=dropout, **sizes), what=what)
+    if not isinstance(model, nn.Module):
+        raise ExerciseFailed(f"{what} made {a_type(model)}, expected a torch.nn.Module")
+    return model
+
+
+def _forward(model: nn.Module, tokens: torch.Tensor, what: str) -> torch.Tensor:
+    before = tokens.clone()
+    out = _learner_call(model, tokens, what=what)
+    if not torch.equal(before, tokens):
+        raise ExerciseFailed(f"{what} changed the tokens it was given")
+    if not isinstance(out, torch.Tensor):
+        raise ExerciseFailed(f"{what} returned {a_type(out)}, expected a tensor of logits")
+    n, t = tokens.shape
+    if tuple(out.shape) != (n, t, VOCAB_SIZE):
+        raise ExerciseFailed(f"{what} returned shape {tuple(out.shape)}, expected ({n}, {t}, {VOCAB_SIZE}): a score for every "
+                             "token of the vocabulary at every position")
+    return out
+
+
+def _check_init(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.numel() >= 256:
+            std = module.weight.detach().float().std().item()
+            if not 0.015 < std < 0.025:
+                kind = type(module).__name__
+                raise ExerciseFailed(f"the {kind} {name!r} starts with weights of standard deviation {std:.3f}: initialise every "
+                                     "Linear and Embedding weight from a normal distribution of std 0.02")
+        if isinstance(module, nn.Linear) and module.bias is not None and module.bias.detach().abs().max() > 0:
+            raise ExerciseFailed(f"the Linear {name!r} starts with a nonzero bias: initialise the biases to zero")
+
+
+def _check_causal(model: nn.Module, sizes: dict) -> None:
+    g = torch.Generator().manual_seed(23)
+    tokens = torch.randint(0, VOCAB_SIZE, (3, MAX_LEN), generator=g)
+    what = f"TinyGPT({_sizes(sizes, 0.0)}) in eval mode"
+    base = _forward(model, tokens, what)
+    if base.isnan().any():
+        pos = int(base.isnan().any(-1).any(0).nonzero()[0])
+        raise ExerciseFailed(f"{what} gives NaN at position {pos}: does the mask hide every key of a position (its own included)?")
+    for t in (1, 6, MAX_LEN - 1):
+        changed = tokens.clone()
+        changed[:, t:] = (changed[:, t:] + 1 + torch.randint(0, VOCAB_SIZE - 1, changed[:, t:].shape, generator=g)) % VOCAB_SIZE
+        out = _forward(model, changed, what)
+        moved = (out[:, :t] - base[:, :t]).abs().amax(dim=(0, 2))
+        if (moved > 1e-5).any():
+            first = int((moved > 1e-5).nonzero()[0])
+            raise ExerciseFailed(f"model: changing the tokens from position {t} on changed the output at position {first}: it "
+                                 f"peeks at later tokens; position i may see tokens 0 to i only (a causal mask)")
+        if not (out[:, t] - base[:, t]).abs().amax() > 1e-6:
+            raise ExerciseFailed(f"model: changing the token at position {t} left the output at position {t} as it was: each "
+                                 "position must see its own token")
+    changed = tokens.clone()
+    changed[:, 0] = (changed[:, 0] + 3) % VOCAB_SIZE
+    out = _forward(model, changed, what)
+    if not (out[:, 1:] - base[:, 1:]).abs().amax() > 1e-6:
+        raise ExerciseFailed("model: changing the token at position 0 changed no later output: every position must attend to "
+                             "the positions before it")
+
+
+@exercise("capstone_model")
+def check_capstone_model(path) -> None:
+    file = _expect_file(path, "capstone_model")
+    with _stubs("capstone_model", file.parent):
+        module = _learner_module(file, "capstone_model")
+        cls = getattr(module, "TinyGPT", None)
+        if cls is None:
+            raise ExerciseFailed("capstone_model.py has no class TinyGPT")
+        torch.manual_seed(5)
+        lesson = _build(cls, LESSON_SIZES)
+        count = sum(p.numel() for p in lesson.parameters())
+        if count > PARAMETER_BUDGET:
+            raise ExerciseFailed(f"TinyGPT({_sizes(LESSON_SIZES, 0.0)}) has {count:,} parameters, over the budget of "
+                                 f"{PARAMETER_BUDGET:,}: one Linear(d, 3d) or three Linear(d, d) for q, k, v, a 4d-wide MLP")
+        _check_init(lesson)
+        for sizes in MODEL_SIZES:
+            model = _build(cls, sizes)
+            reference = sum(p.numel() for p in TinyGPT(VOCAB_SIZE, MAX_LEN, **sizes).parameters()) + VOCAB_SIZE * sizes["d_model"]
+            mine = sum(p.numel() for p in model.parameters())
+            if mine > 1.1 * reference:
+                raise ExerciseFailed(f"TinyGPT({_sizes(sizes, 0.0)}) has {mine:,} parameters, more than the {reference:,} of "
+                                     "such a model: build it from the sizes it is given")
+            model.eval()
+            for n, t in ((1, 1), (2, 2), (4, 7), (3, MAX_LEN)):
+                tokens = torch.randint(0, VOCAB_SIZE, (n, t), generator=torch.Generator().manual_seed(n * 31 + t))
+                out = _forward(model, tokens, f"TinyGPT({_sizes(sizes, 0.0)}) on tokens of shape ({n}, {t})")
+                if out.dtype != torch.float32:
+                    raise ExerciseFailed(f"TinyGPT's logits are {out.dtype}, expected float32 outside autocast")
+            if model.training:
+                raise ExerciseFailed("a forward pass switched the model to train mode: leave its mode alone")
+            _check_causal(model, sizes)
+        _check_dropout(cls)
+        _check_training_step(cls)
+
+
+def _check_dropout(cls) -> None:
+    sizes = MODEL_SIZES[0]
+    model = _build(cls, sizes, dropout=0.5).train()
+    tokens = torch.randint(0, VOCAB_SIZE, (2, 8), generator=torch.Generator().manual_seed(8))
+    what = f"TinyGPT({_sizes(sizes, 0.5)})"
+    first, second = _forward(model, tokens, f"{what} in train mode"), _forward(model, tokens, f"{what} in train mode")
+    if torch.equal(first, second):
+        raise ExerciseFailed(f"{what} in train mode gave the same output twice: apply dropout with probability `dropout`")
+    model.eval()
+    if not torch.equal(_forward(model, tokens, f"{what} in eval mode"), _forward(model, tokens, f"{what} in eval mode")):
+        raise ExerciseFailed(f"{what} in eval mode gave two different outputs for the same tokens: dropout must stop in eval mode")
+
+
+def _check_training_step(cls) -> None:
+    sizes = MODEL_SIZES[1]
+    model = _build(cls, sizes).train()
+    inputs, targets = collate([torch.tensor(sum(encode(a, b), [])) for a, b in addition.problems(6, 9)])
+    what = f"TinyGPT({_sizes(sizes, 0.0)}) under torch.autocast('cpu', dtype=torch.bfloat16)"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = _forward(model, inputs, what)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    _learner_call(loss.backward, what=f"backward through {what}")
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    if missing:
+        raise ExerciseFailed(f"after a backward pass, parameter {missing[0]!r} has no gradient: DistributedDataParallel "
+                             "refuses parameters that take no part in the loss")
+
+
+# Exercise 4: capstone_decode
+
+DECODE_PROBLEMS = [(0, 0), (9999, 9999), (15, 7), (4820, 5180), (3, 996), (1234, 4321), (9, 1)]
+
+
+def _expect_answers(got, n: int, what: str) -> list[list[int]]:
+    if not isinstance(got, (list, tuple)):
+        raise ExerciseFailed(f"{what} returned {a_type(got)}, expected a list of {n} lists of token ids")
+    if len(got) != n:
+        raise ExerciseFailed(f"{what} returned {len(got)} answers for {n} prompts")
+    return [_token_list(row, f"{what}'s answer {i}") for i, row in enumerate(got)]
+
+
+def _decode(generate: Callable, model: Callable, prompts: torch.Tensor, max_new: int, what: str) -> list[list[int]]:
+    before = prompts.clone()
+    got = _learner_call(generate, model, prompts, max_new, what=what)
+    if not torch.equal(before, prompts):
+        raise ExerciseFailed(f"{what} changed the prompts it was given: build new tensors")
+    return _expect_answers(got, len(prompts), what)
+
+
+def _check_calls(calls: list[dict], n: int, longest: int, what: str) -> None:
+    if not calls:
+        raise ExerciseFailed(f"{what} never called the model")
+    if any(not c["inference"] for c in calls):
+        raise ExerciseFailed(f"{what} ran the model outside torch.inference_mode(): decode under it, so that no graph is recorded")
+    if n > 1 and all(c["shape"][0] == 1 for c in calls):
+        raise ExerciseFailed(f"{what} ran the model on one prompt at a time ({len(calls)} calls of a batch of 1): run the whole "
+                             "batch in each forward pass")
+    if len(calls) > longest + 1:
+        raise ExerciseFailed(f"{what} called the model {len(calls)} times, but every answer had ended after {longest + 1}: one "
+                             "forward pass per new token, and stop as soon as every row has produced END")
+
+
+@exercise("capstone_decode")
+def check_capstone_decode(path) -> None:
+    file = _expect_file(path, "capstone_decode")
+    with _stubs("capstone_decode", file.parent):
+        module = _learner_module(file, "capstone_decode")
+        generate = getattr(module, "generate", None)
+        if not callable(generate):
+            raise ExerciseFailed("capstone_decode.py has no function generate(model, prompts, max_new_tokens)")
+        prompts = prompts_of(DECODE_PROBLEMS)
+        oracle = OracleAdder()
+        max_new = MAX_ANSWER + 2  # more than any answer needs: the loop must stop when every row has ended
+        what = f"generate(a model that adds, {len(prompts)} prompts, {max_new})"
+        got = _decode(generate, oracle, prompts, max_new, what)
+        for (a, b), row in zip(DECODE_PROBLEMS, got):
+            want = answer_tokens(a, b)
+            if row != want:
+                if row == want + [END]:
+                    raise ExerciseFailed(f"{what}: the answer to {a}+{b} is {_show(row)}: leave END out of the answers")
+                raise ExerciseFailed(f"{what}: the answer to {a}+{b} is {_show(row)}, expected {_show(want)}")
+        _check_calls(oracle.calls, len(prompts), max(len(answer_tokens(a, b)) for a, b in DECODE_PROBLEMS), what)
+        if any(c["shape"][1] < PROMPT_LEN for c in oracle.calls):
+            raise ExerciseFailed(f"{what} ran the model on fewer tokens than the prompt: feed it the prompt and the answer so far")
+
+        one = prompts_of([(55, 45)])
+        endless = OracleAdder(never_ends=True)
+        got = _decode(generate, endless, one, 3, "generate(a model that never says END, 1 prompt, 3)")
+        if got != [[7, 7, 7]]:
+            raise ExerciseFailed(f"generate(a model that never says END, 1 prompt, max_new_tokens=3) returned {got}, expected "
+                                 "[[7, 7, 7]]: stop after max_new_tokens tokens")
+
+        torch.manual_seed(0)
+        reference = _spread(TinyGPT(VOCAB_SIZE, MAX_LEN, 24, 3, 2), seed=41).eval()
+        problems = addition.problems(9, seed=404)
+        prompts = prompts_of(problems)
+        counted = CountingModel(reference)
+        what = "generate(a TinyGPT with random weights, 9 prompts, 6)"
+        got = _decode(generate, counted, prompts, MAX_ANSWER, what)
+        want = greedy(reference, prompts, MAX_ANSWER)
+        for i, (row, expected) in enumerate(zip(got, want)):
+            if row != expected:
+                raise ExerciseFailed(f"{what}: prompt {i} got {_show(row)}, greedy decoding gives {_show(expected)}: at each step "
+                                     "take the argmax of the last position's logits and append it")
+        if any(c["shape"][0] == 1 for c in counted.calls) and len(counted.calls) > MAX_ANSWER:
+            raise ExerciseFailed(f"{what} ran the model on one prompt at a time: run the whole batch in each forward pass")
+
+
+# Exercise 5: capstone_ship
+
+SHIP_SIZES = {"d_model": 32, "n_heads": 4, "n_layers": 2}
+SHIP_SHAPES = [(1, 1), (2, 2), (5, PROMPT_LEN), (3, MAX_LEN), (1, MAX_LEN)]
+SERVE_SPEEDUP = 3.0   # how much faster serve must answer 48 requests than one request at a time
+
+
+class _DigitsThenEnd(nn.Module):
+    """A real model's forward, its choices kept to digits for the first four answer tokens, then END: a model's cost,
+    and answers a server can print."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.model(tokens).clone()
+        answer_position = torch.arange(tokens.shape[1]) - (PROMPT_LEN - 1)
+        logits[..., 10:] = -1e4
+        logits[:, answer_position >= DIGITS, END] = 1e4
+        return logits
+
+
+def _ship_model() -> nn.Module:
+    torch.manual_seed(0)
+    return _spread(TinyGPT(VOCAB_SIZE, MAX_LEN, dropout=0.2, **SHIP_SIZES), seed=77)
+
+
+def _shape_fault(kind: str, n: int, t: int, err: BaseException) -> str:
+    return (f"ship: your {kind} refuses tokens of shape ({n}, {t}) ({type(err).__name__}: {first_line(err)[:120]}): make the batch "
+            f"(1 to 1024) and the length (1 to {MAX_LEN}) dynamic, and export from an example of 2 or more in each")
+
+
+def _check_program(program, eager: nn.Module) -> None:
+    from torch.export import ExportedProgram
+
+    if not isinstance(program, ExportedProgram):
+        raise ExerciseFailed(f"export_program returned {a_type(program)}, expected the ExportedProgram of torch.export.export")
+    run = program.module()
+    g = torch.Generator().manual_seed(13)
+    for n, t in SHIP_SHAPES:
+        tokens = torch.randint(0, VOCAB_SIZE, (n, t), generator=g)
+        try:
+            with torch.inference_mode():
+                got = run(tokens)
+        except Exception as err:  # noqa: BLE001 -- the exported program's guards refuse the shape
+            raise ExerciseFailed(_shape_fault("exported program", n, t, err)) from None
+        with torch.inference_mode():
+            want = eager(tokens)
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            raise ExerciseFailed(f"ship: your exported program returned {a_type(got)} for tokens of shape ({n}, {t}), expected logits "
+                                 f"of shape {tuple(want.shape)}")
+        if not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
+            dropout = any("dropout" in str(node.target) for node in program.graph.nodes if node.op == "call_function")
+            if dropout:
+                raise ExerciseFailed("ship: your exported program has dropout in its graph: the model was in train mode; call "
+                                     "model.eval() before torch.export.export")
+            raise ExerciseFailed(f"ship: your exported program's logits for tokens of shape ({n}, {t}) differ from the eval-mode "
+                                 f"model's by up to {(got - want).abs().max():.2g}")
+
+
+@contextlib.contextmanager
+def _counting_onnx_runs() -> Iterator[list[int]]:
+    """Count the calls of onnxruntime.InferenceSession.run while inside."""
+    import onnxruntime as ort
+
+    calls: list[int] = []
+    real = ort.InferenceSession.run
+
+    def run(session, *args, **kwargs):
+        calls.append(1)
+        return real(session, *args, **kwargs)
+
+    ort.InferenceSession.run = run
+    try:
+        yield calls
+    finally:
+        ort.InferenceSession.run = real
+
+
+def _check_onnx(export_onnx: Callable, eager: nn.Module, folder: Path) -> None:
+    import onnxruntime as ort
+
+    path = folder / "adder.onnx"
+    problems = addition.problems(6, seed=606)
+    prompts = prompts_of(problems)
+    what = "export_onnx(model, path, 6 prompts)"
+    eager.train()
+    with _counting_onnx_runs() as runs:
+        got = _learner_call(export_onnx, eager, path, prompts.clone(), what=what)
+    if not path.exists():
+        raise ExerciseFailed(f"ship: {what} wrote no file at `path`")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    try:
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as err:  # noqa: BLE001 -- the learner's file
+        raise ExerciseFailed(f"ship: ONNX Runtime cannot open the file export_onnx wrote ({type(err).__name__}: {first_line(err)[:100]})") from None
+    inputs, outputs = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
+    if inputs != ["tokens"] or outputs[:1] != ["logits"]:
+        raise ExerciseFailed(f"ship: the ONNX file's inputs are {inputs} and outputs {outputs}, expected ['tokens'] and ['logits']")
+    eager.eval()
+    g = torch.Generator().manual_seed(17)
+    for n, t in SHIP_SHAPES:
+        tokens = torch.randint(0, VOCAB_SIZE, (n, t), generator=g)
+        try:
+            (logits,) = session.run(["logits"], {"tokens": tokens.numpy()})
+        except Exception as err:  # noqa: BLE001 -- ONNX Runtime refuses the shape
+            raise ExerciseFailed(_shape_fault("ONNX file", n, t, err)) from None
+        with torch.inference_mode():
+            want = eager(tokens)
+        if tuple(logits.shape) != tuple(want.shape) or not torch.allclose(torch.from_numpy(logits), want, atol=1e-4, rtol=1e-4):
+            raise ExerciseFailed(f"ship: ONNX Runtime's logits for tokens of shape ({n}, {t}) differ from the eval-mode model's")
+    want = greedy(eager, prompts, MAX_ANSWER)
+    onnx_tokens = greedy(lambda x: torch.from_numpy(session.run(["logits"], {"tokens": x.numpy()})[0]), prompts, MAX_ANSWER)
+    if onnx_tokens != want:
+        raise ExerciseFailed("ship: greedy decoding with ONNX Runtime gives other tokens than the eager model")
+    got = _expect_answers(got, len(prompts), what)
+    if not runs:
+        raise ExerciseFailed(f"ship: {what} never ran ONNX Runtime: decode the prompts with a session of the file you wrote")
+    if got != want:
+        i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        raise ExerciseFailed(f"ship: {what} returned {_show(got[i])} for prompt {i}, but greedy decoding of that file gives "
+                             f"{_show(want[i])}")
+
+
+def _check_serve(serve: Callable) -> None:
+    requests = ["7+5", "0+0", "9999+9999", "1234+8766", "45+6", "300+700", "5+4", "808+2", "9+991", "6789+1", "12+12"]
+    given = list(requests)
+    oracle = OracleAdder()
+    what = "serve(a model that adds, 11 requests, max_batch=4)"
+    got = _learner_call(serve, oracle, given, 4, what=what)
+    if given != requests:
+        raise ExerciseFailed(f"serve: {what} changed the list of requests")
+    if not isinstance(got, (list, tuple)) or len(got) != len(requests):
+        raise ExerciseFailed(f"serve: {what} returned {a_type(got)}, expected a list of 11 answers")
+    for request, answer in zip(requests, got):
+        a, b = map(int, request.split("+"))
+        if not isinstance(answer, str):
+            raise ExerciseFailed(f"serve: the answer to {request!r} is {a_type(answer)}, expected a str such as {str(a + b)!r}")
+        if answer != str(a + b):
+            raise ExerciseFailed(f"serve: the answer to {request!r} is {answer!r}, expected {str(a + b)!r}")
+    sizes = [c["shape"][0] for c in oracle.calls]
+    if any(c["shape"][0] > 4 for c in oracle.calls):
+        raise ExerciseFailed(f"serve: {what} ran a forward pass on {max(sizes)} requests: at most max_batch at once")
+    if all(s == 1 for s in sizes):
+        raise ExerciseFailed(f"serve: {what} ran the model on one request at a time ({len(sizes)} calls of a batch of 1): answer "
+                             "the requests in batches of up to max_batch")
+    if any(not c["inference"] for c in oracle.calls):
+        raise ExerciseFailed(f"serve: {what} ran the model outside torch.inference_mode()")
+    model = _DigitsThenEnd(_ship_model().eval())
+    requests = [f"{a}+{b}" for a, b in addition.problems(48, seed=808)]
+    batched, single = [], []
+    for _ in range(2):
+        start = time.perf_counter()
+        _learner_call(serve, model, requests, 48, what="serve(model, 48 requests, max_batch=48)")
+        batched.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for request in requests:
+            greedy(model, prompts_of([tuple(map(int, request.split("+")))]), MAX_ANSWER)
+        single.append(time.perf_counter() - start)
+    speedup = min(single) / min(batched)
+    if speedup < SERVE_SPEEDUP:
+        raise ExerciseFailed(f"serve: answering 48 requests took {min(batched) * 1e3:.0f} ms, only {speedup:.1f}x faster than one "
+                             f"request at a time ({min(single) * 1e3:.0f} ms); at least {SERVE_SPEEDUP:g}x is expected")
+
+
+@exercise("capstone_ship")
+def check_capstone_ship(path) -> None:
+    file = _expect_file(path, "capstone_ship")
+    with _stubs("capstone_ship", file.parent), tempfile.TemporaryDirectory(prefix="lesson11-ship-") as folder:
+        module = _learner_module(file, "capstone_ship")
+        for name in ("export_program", "export_onnx", "serve"):
+            if not callable(getattr(module, name, None)):
+                raise ExerciseFailed(f"capstone_ship.py has no function {name}")
+        _check_serve(module.serve)  # first: it costs no export
+        eager = _ship_model().train()  # as it comes out of training: export_program must switch it to eval mode
+        program = _learner_call(module.export_program, eager, what="export_program(model)")
+        _check_program(program, eager.eval())
+        _check_onnx(module.export_onnx, eager, Path(folder))
+
+
+# Exercise 3: capstone_train, run on two real ranks and judged by what each one did.
+
+TRAIN_STEPS, TRAIN_EVERY, TRAIN_KILL_AT, TRAIN_BATCH, TRAIN_WARMUP = 12, 4, 10, 4, 3
+TRAIN_LR, TRAIN_DECAY, TRAIN_CLIP = 0.02, 0.05, 0.05
+TRAIN_MODEL = {"--d-model": "16", "--heads": "2", "--layers": "1"}
+ACCURACY_PER_CARRY = 0.9      # the trained model must answer this share of the hidden problems of every carry count
+ACCURACY_PROBLEMS = 60        # hidden problems per carry count
+SCALE_TOLERANCE = 1e-4        # relative difference of the gradients, one step on 2 ranks vs one process, in float32
+
+
+def _args(**values) -> list[str]:
+    out = []
+    for key, value in values.items():
+        out += [f"--{key.replace('_', '-')}", str(value)]
+    return out
+
+
+def _train_args(checkpoints: Path, **overrides) -> list[str]:
+    values = {"steps": TRAIN_STEPS, "batch_size": TRAIN_BATCH, "lr": TRAIN_LR, "warmup": TRAIN_WARMUP, "weight_decay": TRAIN_DECAY,
+              "clip": TRAIN_CLIP, "precision": "bf16", "every": TRAIN_EVERY, "checkpoints": checkpoints, "dropout": 0.1, "seed": 7}
+    values.update(overrides)
+    return _args(**values) + [x for pair in TRAIN_MODEL.items() for x in pair]
+
+
+def _target_lr(step: int) -> float:
+    """The learning rate of optimizer step `step` (0-based): linear warm-up to lr, then a half cosine down to lr / 10."""
+    if step < TRAIN_WARMUP:
+        return TRAIN_LR * (step + 1) / TRAIN_WARMUP
+    progress = (step - TRAIN_WARMUP) / (TRAIN_STEPS - TRAIN_WARMUP)
+    return TRAIN_LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _launch(server, script: Path, args: list[str], folder: Path, **kwargs) -> list:
+    runs = server.launch(script, args, folder, cwd=script.parent, **kwargs)
+    if any(r.record and r.record.get("error") and "EADDRINUSE" in r.record["error"]["message"] for r in runs):
+        for f in folder.glob("rank*"):
+            f.unlink()
+        runs = server.launch(script, args, folder, cwd=script.parent, **kwargs)  # another program took the port
+    return runs
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _judge_launch(runs: list, stage: str, timeout: float, grace: float) -> None:
+    """Errors first: a stub is 'not attempted'; otherwise the first rank's error, in one line, naming the rank."""
+    errors = [(run.record["error"], run) for run in runs if run.record and run.record.get("error")]
+    stubs = [err["stub"] for err, _ in errors if err["stub"]]
+    if stubs:
+        stub = stubs[0]
+        if stub["file"] == "capstone_train.py":
+            raise ExerciseNotAttempted(not_attempted_message("capstone_train"))
+        raise ExerciseNotAttempted(f"{NOT_ATTEMPTED}: your script reaches the `raise NotImplementedError()` stub of "
+                                   f"{stub['function']} in {stub['file']}, an exercise before this one")
+    if errors:
+        err, run = min(errors, key=lambda e: e[0]["time"])
+        if err["type"] == "SystemExit":
+            detail = _last_line(run.stderr)
+            raise ExerciseFailed(f"{stage}: rank {run.rank} exited with code {err['message'].split()[-1]}" + (f": {detail}" if detail else ""))
+        at = f" ({err['file']}, line {err['line']}, in {err['function']})" if err["line"] else ""
+        raise ExerciseFailed(f"{stage}: rank {run.rank} raised {err['type']}: {err['message'] or '(no message)'}{at}")
+    stopped = [run for run in runs if run.stopped]
+    if stopped and len(stopped) == len(runs):
+        raise ExerciseFailed(f"{stage}: no rank finished within {timeout:g} s, so they were stopped: does a rank wait in a "
+                             "collective that another never calls?")
+    if stopped:
+        done = next(run for run in runs if not run.stopped)
+        raise ExerciseFailed(f"{stage}: rank {stopped[0].rank} was still running {grace:g} s after rank {done.rank} had ended, and "
+                             f"was stopped: does it wait in a collective that rank {done.rank} never called (one inside `if rank == 0:`)?")
+    for run in runs:
+        if run.record is None:
+            code = run.returncode
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            detail = _last_line(run.stderr)
+            raise ExerciseFailed(f"{stage}: rank {run.rank} ended ({how}) before the script finished" + (f": {detail}" if detail else ""))
+
+
+def _state_of(step: dict) -> dict[str, torch.Tensor]:
+    """The weights before an optimizer step, by parameter name."""
+    return {name: w for name, w in zip(step.get("names", []), step["weights"]) if name}
+
+
+def _first_difference(a: list, b: list) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x is None or y is None or not torch.equal(x, y)), None)
+
+
+def _judge_optimizer(record: dict) -> None:
+    steps = record["steps"]
+    first = steps[0]
+    if not first["optimizer"].endswith(".AdamW"):
+        raise ExerciseFailed(f"training: the optimizer is {first['optimizer'].rsplit('.', 1)[-1]}, expected torch.optim.AdamW")
+    names = first.get("names", [])
+    if not names or "" in names:
+        raise ExerciseFailed("training: the optimizer holds parameters that are not your TinyGPT's: give it the model's parameters")
+    decays = [wd for size, wd in zip(first["group_sizes"], first["weight_decay"]) for _ in range(size)]
+    for name, weight, decay in zip(names, first["weights"], decays):
+        want = TRAIN_DECAY if weight.ndim >= 2 else 0.0
+        if abs(decay - want) > 1e-12:
+            kind = "a matrix" if weight.ndim >= 2 else "a bias or norm weight"
+            raise ExerciseFailed(f"training: {name} ({kind}, {weight.ndim}-D) has weight decay {decay:g}, expected {want:g}: decay "
+                                 f"the parameters of 2 or more dimensions by --weight-decay ({TRAIN_DECAY:g}), the others by 0")
+    if len(set(first["param_ids"])) != len(first["param_ids"]):
+        raise ExerciseFailed("training: a parameter sits in two of the optimizer's groups")
+    for i, step in enumerate(steps):
+        lrs = step["lr"]
+        want = _target_lr(i)
+        if any(abs(lr - want) > 1e-6 * TRAIN_LR for lr in lrs):
+            raise ExerciseFailed(f"training: optimizer step {i + 1} of {TRAIN_STEPS} ran with lr {lrs[0]:.6g}, expected {want:.6g}: a "
+                                 f"linear warm-up over --warmup ({TRAIN_WARMUP}) steps from lr/{TRAIN_WARMUP} to --lr, then a half "
+                                 "cosine down to lr/10 at the last step, one scheduler step per optimizer step")
+    for i, step in enumerate(steps):
+        if step["grad_norm"] > TRAIN_CLIP * (1 + 1e-3):
+            raise ExerciseFailed(f"training: the gradient's norm at optimizer step {i + 1} was {step['grad_norm']:.3g}, above --clip "
+                                 f"{TRAIN_CLIP:g}: clip it (torch.nn.utils.clip_grad_norm_) after backward, before optimizer.step()")
+
+
+def _judge_data(runs: list, n_problems: int) -> None:
+    per_rank = n_problems // len(runs)
+    for run in runs:
+        rec = run.record
+        if not rec["orders"]:
+            raise ExerciseFailed(f"training: rank {run.rank} never drew its indices from a DistributedSampler: give the DataLoader "
+                                 "one (sampler=...), so that each rank reads its own share")
+        sizes = {len(o["indices"]) for o in rec["orders"]}
+        if sizes != {per_rank}:
+            raise ExerciseFailed(f"training: rank {run.rank}'s DistributedSampler handed out {sorted(sizes)} indices per epoch, "
+                                 f"expected {per_rank}: build it inside the process group, without num_replicas or rank")
+        batches = {f["tokens"].shape[0] for f in rec["forwards"]}
+        if batches != {TRAIN_BATCH}:
+            raise ExerciseFailed(f"training: rank {run.rank} trained on batches of {sorted(batches)} problems, expected --batch-size "
+                                 f"({TRAIN_BATCH}) per rank")
+    first = [set(run.record["orders"][0]["indices"]) for run in runs]
+    if first[0] & first[1]:
+        raise ExerciseFailed("training: ranks 0 and 1 drew the same problems in their first epoch: each rank needs its own share")
+    orders = [tuple(o["indices"]) for o in runs[0].record["orders"]]
+    if len(orders) > 1 and len(set(orders)) == 1:
+        raise ExerciseFailed(f"training: rank 0 read its problems in the same order in all {len(orders)} epochs: call "
+                             "sampler.set_epoch(epoch) at the start of every epoch, on every rank")
+
+
+def _saved_rng_holds(saved, state: torch.Tensor) -> bool:
+    """Whether a rank's saved random states hold `state` (a tensor) anywhere inside."""
+    if isinstance(saved, torch.Tensor):
+        return saved.shape == state.shape and torch.equal(saved.to(state.dtype), state)
+    if isinstance(saved, dict):
+        return any(_saved_rng_holds(v, state) for v in saved.values())
+    if isinstance(saved, (list, tuple)):
+        return any(_saved_rng_holds(v, state) for v in saved)
+    return False
+
+
+def _saved_python_rng(saved, state) -> bool:
+    if isinstance(saved, (list, tuple)) and len(saved) == 3 and saved[0] == state[0]:
+        return tuple(saved[1]) == tuple(state[1])
+    if isinstance(saved, dict):
+        return any(_saved_python_rng(v, state) for v in saved.values())
+    if isinstance(saved, (list, tuple)):
+        return any(_saved_python_rng(v, state) for v in saved)
+    return False
+
+
+def _load_checkpoint(path: Path, stage: str) -> dict:
+    try:
+        checkpoint = torch.load(path, weights_only=True)
+    except Exception as err:  # noqa: BLE001 -- the learner's file
+        lines = [line.strip() for line in str(err).strip().splitlines()] or [""]
+        reason = next((line for line in lines if "Unsupported global" in line), lines[0]).split(". ")[0][:120]
+        raise ExerciseFailed(f"{stage}: {path.name} does not load with torch.load(weights_only=True) ({type(err).__name__}: "
+                             f"{reason}): save state_dicts, tensors and plain Python values") from None
+    if not isinstance(checkpoint, dict):
+        raise ExerciseFailed(f"{stage}: {path.name} holds {a_type(checkpoint)}, expected a dict")
+    return checkpoint
+
+
+CHECKPOINT_KEYS = ("step", "model", "optimizer", "scheduler", "rng", "losses")
+
+
+def _judge_checkpoints(runs: list, folder: Path) -> dict:
+    """The run's checkpoints: who saved them, when, where, and what they hold. Returns the last one."""
+    if runs[1].record["saves"]:
+        raise ExerciseFailed("checkpoints: rank 1 called torch.save too: only rank 0 writes the checkpoints (if rank == 0:)")
+    saves = runs[0].record["saves"]
+    want_steps = list(range(TRAIN_EVERY, TRAIN_STEPS + 1, TRAIN_EVERY))
+    steps = [s["step"] for s in saves]
+    if steps != want_steps:
+        raise ExerciseFailed(f"checkpoints: rank 0 saved after steps {steps}, expected after {want_steps}: every --every "
+                             f"({TRAIN_EVERY}) steps and after the last one, once each")
+    for save in saves:
+        want = folder / f"step_{save['step']:06d}.pt"
+        if Path(save["path"]).resolve() != want.resolve():
+            raise ExerciseFailed(f"checkpoints: the checkpoint after step {save['step']} went to {Path(save['path']).name!r}, "
+                                 f"expected {want.name!r} in the --checkpoints folder")
+    world = len(runs)
+    last = None
+    for save in saves:
+        step, path = save["step"], folder / f"step_{save['step']:06d}.pt"
+        checkpoint = _load_checkpoint(path, "checkpoints")
+        missing = [k for k in CHECKPOINT_KEYS if k not in checkpoint]
+        if missing:
+            what = "every rank's random states" if missing[0] == "rng" else repr(missing[0])
+            raise ExerciseFailed(f"checkpoints: {path.name} has no {missing[0]!r} entry: save {what} too; it holds "
+                                 f"{sorted(map(str, checkpoint))}")
+        if checkpoint["step"] != step:
+            raise ExerciseFailed(f"checkpoints: {path.name}['step'] is {checkpoint['step']!r}, expected {step}, the number of "
+                                 "optimizer steps taken")
+        model = checkpoint["model"]
+        if not isinstance(model, dict) or not all(isinstance(v, torch.Tensor) for v in model.values()):
+            raise ExerciseFailed(f"checkpoints: {path.name}['model'] is not a state_dict: save model.state_dict()")
+        if any(str(k).startswith("module.") for k in model):
+            raise ExerciseFailed(f"checkpoints: {path.name}['model'] has keys like {next(iter(model))!r}, the DDP wrapper's: save "
+                                 "the plain model's state_dict (ddp_model.module, or the model you wrapped)")
+        weights = runs[0].record["final"] if step == TRAIN_STEPS else _state_of(runs[0].record["steps"][step])
+        for name, value in weights.items():
+            if name not in model or not torch.equal(model[name], value):
+                raise ExerciseFailed(f"checkpoints: {path.name}['model'][{name!r}] is not the weights after step {step}")
+        optimizer, scheduler = checkpoint["optimizer"], checkpoint["scheduler"]
+        if not isinstance(optimizer, dict) or set(optimizer) != {"state", "param_groups"}:
+            raise ExerciseFailed(f"checkpoints: {path.name}['optimizer'] is not an optimizer's state_dict(): save optimizer.state_dict()")
+        if not isinstance(scheduler, dict) or scheduler.get("last_epoch") != step:
+            raise ExerciseFailed(f"checkpoints: {path.name}['scheduler'] is not the scheduler's state_dict() after {step} steps: save "
+                                 "scheduler.state_dict()")
+        rng = checkpoint["rng"]
+        if not isinstance(rng, (list, tuple)) or len(rng) != world:
+            size = f"{len(rng)} entries" if isinstance(rng, (list, tuple)) else a_type(rng)
+            raise ExerciseFailed(f"checkpoints: {path.name}['rng'] is {size}, expected a list of {world}: every rank's random "
+                                 "states (gather them with dist.all_gather_object), each rank's own restored when resuming")
+        for rank, run in enumerate(runs):
+            after = run.record["after"][step - 1]
+            if not _saved_rng_holds(rng[rank], after["torch"]):
+                raise ExerciseFailed(f"checkpoints: {path.name}['rng'][{rank}] lacks rank {rank}'s torch random state as it was when "
+                                     "the checkpoint was saved, which dropout draws from")
+            if not _saved_python_rng(rng[rank], after["python"]) or not _saved_rng_holds(rng[rank], after["numpy"]):
+                raise ExerciseFailed(f"checkpoints: {path.name}['rng'][{rank}] lacks Python's or NumPy's random state: save every "
+                                     "random state (course_utils.training.rng_state() gathers them)")
+        losses = checkpoint["losses"]
+        if not isinstance(losses, (list, tuple)) or len(losses) != step or not all(isinstance(v, float) for v in losses):
+            raise ExerciseFailed(f"checkpoints: {path.name}['losses'] should be a list of {step} floats, one loss per step so far")
+        last = checkpoint
+    return last
+
+
+def _judge_training(runs: list, folder: Path, n_problems: int) -> dict:
+    for run in runs:
+        rec = run.record
+        if not rec["models"]:
+            raise ExerciseFailed(f"training: rank {run.rank} never built a TinyGPT from capstone_model")
+        if not any(rec["ddp_wraps"]):
+            raise ExerciseFailed(f"training: rank {run.rank} never wrapped its TinyGPT in DistributedDataParallel")
+        if not rec["forwards"]:
+            raise ExerciseFailed(f"training: rank {run.rank} never ran a training forward pass of its TinyGPT (in train mode, "
+                                 "with gradients)")
+        if len(rec["steps"]) != TRAIN_STEPS:
+            raise ExerciseFailed(f"training: rank {run.rank} took {len(rec['steps'])} optimizer steps, expected --steps ({TRAIN_STEPS})")
+        if rec["initialized_at_end"]:
+            raise ExerciseFailed(f"training: rank {run.rank} never called dist.destroy_process_group(): call it at the end, on every rank")
+        if not all(f["autocast"] and f["dtype"] == "torch.bfloat16" for f in rec["forwards"]):
+            raise ExerciseFailed(f"training: with --precision bf16, rank {run.rank}'s forward passes did not all run under "
+                                 "torch.autocast('cpu', dtype=torch.bfloat16)")
+    _judge_optimizer(runs[0].record)
+    _judge_data(runs, n_problems)
+    finals = [run.record["final"] for run in runs]
+    if any(not torch.equal(finals[0][k], finals[1][k]) for k in finals[0]):
+        raise ExerciseFailed("training: the ranks ended with different weights: their gradients were not averaged at every step; "
+                             "run the forward through the DDP model, and start every rank from the same weights")
+    return _judge_checkpoints(runs, folder)
+
+
+def _judge_resume(whole: list, killed: list, resumed: list, whole_last: dict, folder: Path) -> None:
+    if not all(run.record and run.record.get("killed") for run in killed):
+        raise ExerciseFailed(f"resume: the run to be stopped at step {TRAIN_KILL_AT} did not get there")
+    latest = (TRAIN_KILL_AT // TRAIN_EVERY) * TRAIN_EVERY
+    for run in resumed:
+        loads = run.record["loads"]
+        if not loads:
+            raise ExerciseFailed(f"resume: rank {run.rank} of the relaunched run loaded no checkpoint: when --checkpoints holds some, "
+                                 "load the latest and carry on from its step")
+        if any(entry["weights_only"] is False for entry in loads):
+            raise ExerciseFailed("resume: torch.load(..., weights_only=False) can run any code a checkpoint holds: load with "
+                                 "weights_only=True")
+        read = [entry["step"] for entry in loads if entry["step"] is not None]
+        if read and max(read) != latest:
+            raise ExerciseFailed(f"resume: rank {run.rank} resumed from the checkpoint of step {max(read)}, but step {latest}'s is the "
+                                 "latest")
+    steps = resumed[0].record["steps"]
+    if len(steps) != TRAIN_STEPS - latest:
+        raise ExerciseFailed(f"resume: the relaunched run took {len(steps)} optimizer steps, expected {TRAIN_STEPS - latest}: steps "
+                             f"{latest + 1} to {TRAIN_STEPS}, after the {latest} its checkpoint holds")
+    for run, uninterrupted in zip(resumed, whole):
+        then, now = uninterrupted.record["steps"][latest], run.record["steps"][0]
+        at = f"when the run resumed at step {latest + 1}"
+        if _first_difference(now["weights"], then["weights"]) is not None:
+            raise ExerciseFailed(f"resume: {at}, rank {run.rank}'s weights were not those of the uninterrupted run: load the "
+                                 "checkpoint's model state")
+        moments = [m.get("exp_avg") for m in now["moments"]], [m.get("exp_avg") for m in then["moments"]]
+        if _first_difference(*moments) is not None:
+            raise ExerciseFailed(f"resume: {at}, AdamW's running averages were not those of the uninterrupted run: load the "
+                                 "optimizer's state_dict")
+        if now["lr"] != then["lr"]:
+            raise ExerciseFailed(f"resume: {at}, the learning rate was {now['lr'][0]:.6g}, expected {then['lr'][0]:.6g}: load the "
+                                 "scheduler's state_dict")
+        mine = next(f for f in run.record["forwards"] if f["step"] == 0)
+        theirs = next(f for f in uninterrupted.record["forwards"] if f["step"] == latest)
+        if not torch.equal(mine["tokens"], theirs["tokens"]):
+            raise ExerciseFailed(f"resume: {at}, rank {run.rank} trained on another batch than the uninterrupted run: set the "
+                                 "sampler's epoch to the resumed epoch and skip that epoch's batches already trained")
+        if not torch.equal(mine["rng"], theirs["rng"]):
+            if _one_draw_after(theirs["rng"], killed_state(killed, run.rank, latest), mine["rng"]):
+                raise ExerciseFailed(f"resume: {at}, rank {run.rank}'s torch random state was one draw past the one it saved: a new "
+                                     "DataLoader iterator draws a seed from the global generator, which dropout uses too; give the "
+                                     "DataLoader a generator of its own (generator=torch.Generator())")
+            raise ExerciseFailed(f"resume: {at}, rank {run.rank}'s torch random state (which dropout draws from) was not the "
+                                 "uninterrupted run's: restore each rank's own saved random states")
+    for run, uninterrupted in zip(resumed, whole):
+        a, b = run.record["final"], uninterrupted.record["final"]
+        different = [k for k in b if k not in a or not torch.equal(a[k], b[k])]
+        if different:
+            raise ExerciseFailed(f"resume: after resuming, rank {run.rank}'s final {different[0]!r} is not bit for bit the "
+                                 "uninterrupted run's")
+    last = _load_checkpoint(folder / f"step_{TRAIN_STEPS:06d}.pt", "resume")
+    if list(last.get("losses", [])) != list(whole_last["losses"]):
+        raise ExerciseFailed("resume: the resumed run's last checkpoint has other losses than the uninterrupted run's: keep the "
+                             "losses so far in the checkpoint, and carry them on")
+
+
+def killed_state(killed: list, rank: int, step: int) -> torch.Tensor:
+    """Rank `rank`'s torch random state right after optimizer step `step` of the stopped run: what its checkpoint saved."""
+    return killed[rank].record["after"][step - 1]["torch"]
+
+
+def _one_draw_after(expected: torch.Tensor, saved: torch.Tensor, got: torch.Tensor) -> bool:
+    """Whether `got` is `saved` advanced by exactly one int64 draw, while the uninterrupted run had `saved` itself."""
+    if not torch.equal(expected, saved):
+        return False
+    generator = torch.Generator()
+    generator.set_state(saved)
+    torch.empty((), dtype=torch.int64).random_(generator=generator)
+    return torch.equal(generator.get_state(), got)
+
+
+SCALE_PROBLEMS = [(9999, 9999), (1, 2), (3, 4), (2, 2), (0, 5), (6, 1), (4, 4), (7, 2)]  # one long answer, seven short
+
+
+def _scale_hypotheses(script: Path, record: dict, sizes: dict) -> dict[str, torch.Tensor]:
+    """Gradients, computed here with the learner's model, that one step on 2 ranks would give under each way of
+    weighting the loss: the global batch's mean (right), the mean of the ranks' means, rank 0's own mean."""
+    model_module = _learner_module(script.with_name("capstone_model.py"), "capstone_model")
+    model = _build(model_module.TinyGPT, sizes).train()
+    model.load_state_dict(_state_of(record["steps"][0]), strict=False)
+    sums, counts = [], []
+    for tokens in record["batches"]:
+        sequences = []
+        for row in tokens.tolist():
+            real = [t for t in row if t != PAD]
+            sequences.append(torch.tensor(real + [END]))
+        inputs, targets = collate(sequences)
+        model.zero_grad()
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum")
+        loss.backward()
+        names = record["steps"][0]["names"]
+        grads = dict(model.named_parameters())
+        sums.append(torch.cat([grads[n].grad.flatten() for n in names]))
+        counts.append(int((targets != IGNORE).sum()))
+    total = sum(counts)
+    return {"global": (sums[0] + sums[1]) / total, "means": (sums[0] / counts[0] + sums[1] / counts[1]) / 2,
+            "rank 0": sums[0] / counts[0]}
+
+
+def _flat_grads(record: dict) -> torch.Tensor:
+    return torch.cat([g.flatten() for g in record["steps"][0]["grads"]])
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _judge_scale(script: Path, two: list, one: list) -> None:
+    for runs in (two, one):
+        for run in runs:
+            if len(run.record["steps"]) != 1:
+                raise ExerciseFailed(f"scale: with --steps 1, rank {run.rank} took {len(run.record['steps'])} optimizer steps")
+            if any(f["autocast"] and f["dtype"] != "torch.float32" for f in run.record["forwards"]):
+                raise ExerciseFailed("scale: with --precision fp32, the forward still ran under bfloat16 autocast")
+    distributed, single = _flat_grads(two[0].record), _flat_grads(one[0].record)
+    record = dict(two[0].record)
+    record["batches"] = [next(f["tokens"] for f in run.record["forwards"] if f["step"] == 0) for run in two]
+    sizes = {"d_model": int(TRAIN_MODEL["--d-model"]), "n_heads": int(TRAIN_MODEL["--heads"]), "n_layers": int(TRAIN_MODEL["--layers"])}
+    hypotheses = _scale_hypotheses(script, record, sizes)  # computed here, in float32, from the ranks' own batches
+    right = hypotheses["global"]
+    if _relative(single, right) > SCALE_TOLERANCE:
+        if F.cosine_similarity(single, right, dim=0).item() > 1 - 1e-6:
+            ratio = (single.norm() / right.norm()).item()
+            raise ExerciseFailed(f"scale: in one process, the gradient is {ratio:.3g} times that of the mean cross-entropy over the "
+                                 "batch's answer tokens: divide the summed loss by the number of answer tokens (targets != IGNORE)")
+        raise ExerciseFailed(f"scale: in one process, the gradient is not that of the mean cross-entropy over the batch's answer "
+                             f"tokens (relative difference {_relative(single, right):.2g})")
+    off = _relative(distributed, single)
+    if off <= SCALE_TOLERANCE:
+        return
+    stated = (f"one step on 2 ranks x {len(SCALE_PROBLEMS) // 2} problems gave other gradients than one process on all "
+              f"{len(SCALE_PROBLEMS)} (relative difference {off:.2g}, tolerance {SCALE_TOLERANCE:g})")
+    if _relative(distributed, hypotheses["means"]) < 1e-3:
+        raise ExerciseFailed(f"scale: {stated}: each rank took the mean over its own answer tokens, and DDP averaged those means, "
+                             "so a token on the rank with fewer counts more; divide each rank's summed loss by the answer tokens "
+                             "of all ranks (all_reduce the count), times the world size")
+    if _relative(distributed, hypotheses["rank 0"]) < 1e-3:
+        raise ExerciseFailed(f"scale: {stated}: rank 0 stepped with its own gradient; run the forward through the DDP model, which "
+                             "averages the gradients")
+    if F.cosine_similarity(distributed, right, dim=0).item() > 1 - 1e-6:
+        ratio = (distributed.norm() / right.norm()).item()
+        raise ExerciseFailed(f"scale: {stated}: the gradient on 2 ranks is {ratio:.3g} times the right one (DDP averages the ranks' "
+                             "gradients: scale each rank's loss by the world size once)")
+    raise ExerciseFailed(f"scale: {stated}")
+
+
+RUN_FOLDER = "run"   # where the notebook's launch puts its checkpoints, beside the learner's files
+
+
+def _trained_model(script: Path) -> nn.Module:
+    """The model of the notebook's training run: capstone_model's TinyGPT with the script's default sizes, its weights
+    from the latest checkpoint in run/ beside the script."""
+    folder = script.parent / RUN_FOLDER
+    last = latest_checkpoint(folder)
+    if last is None:
+        raise ExerciseFailed(f"accuracy: there is no checkpoint in {RUN_FOLDER}/ beside your script: run the launch cell above, "
+                             "which trains your script, and let it finish")
+    module = _learner_module(script.with_name("capstone_model.py"), "capstone_model")
+    model = _build(module.TinyGPT, LESSON_SIZES)
+    checkpoint = _load_checkpoint(last, "accuracy")
+    try:
+        model.load_state_dict(checkpoint.get("model", {}))
+    except Exception as err:  # noqa: BLE001 -- the learner's checkpoint
+        raise ExerciseFailed(f"accuracy: {RUN_FOLDER}/{last.name}['model'] does not load into TinyGPT({_sizes(LESSON_SIZES, 0.0)}), "
+                             f"the script's default sizes ({type(err).__name__}: {_line(err)[:90]})") from None
+    return model.eval()
+
+
+def _judge_accuracy(trained: nn.Module) -> None:
+    problems = addition.problems_by_carries(ACCURACY_PROBLEMS, seed=20_260_611)
+    answers = _learner_call(greedy, trained, prompts_of(problems), MAX_ANSWER, what="your trained model")
+    by_carries = accuracy_by_carries(answers, problems)
+    shown = ", ".join(f"{c}: {a:.0%}" for c, a in by_carries.items())
+    low = [c for c, a in by_carries.items() if a < ACCURACY_PER_CARRY]
+    if low:
+        raise ExerciseFailed(f"accuracy: your trained model answers {sum(by_carries.values()) / len(by_carries):.1%} of "
+                             f"{len(problems)} hidden problems (by carries: {shown}); at least {ACCURACY_PER_CARRY:.0%} of every "
+                             f"carry count is needed, and {low[0]} carries got less")
+
+
+def _untouched(script: Path) -> bool:
+    """Whether main() is still the skeleton: nothing after parsing the arguments but the stub (no rank need start to tell)."""
+    try:
+        tree = ast.parse(script.read_text(encoding="utf-8", errors="replace"))
+    except SyntaxError:
+        return False
+    main = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"), None)
+    if main is None:
+        return False
+    parsed = [i for i, n in enumerate(main.body) if isinstance(n, ast.Assign) and "parse_args" in ast.unparse(n.value)]
+    rest = main.body[parsed[-1] + 1:] if parsed else main.body
+    return len(rest) == 1 and isinstance(rest[0], ast.Raise) and ast.unparse(rest[0]) == "raise NotImplementedError()"
+
+
+@exercise("capstone_train")
+def check_capstone_train(path) -> None:
+    script = _expect_file(path, "capstone_train")
+    if _untouched(script):
+        raise ExerciseNotAttempted(not_attempted_message("capstone_train"))
+    limit = exercise_seconds()
+    timeout, grace = max(5.0, limit / 3), 5.0
+    problems = addition.problems(24, seed=2_468)
+    from course_utils.capstone_probe import RankServer
+
+    with tempfile.TemporaryDirectory(prefix="lesson11-check-") as tmp, RankServer() as server:
+        folder = Path(tmp)
+        whole = _launch(server, script, _train_args(folder / "whole"), folder / "probe-whole", problems=problems,
+                        timeout=timeout, grace=grace)
+        _judge_launch(whole, "training", timeout, grace)
+        last = _judge_training(whole, folder / "whole", len(problems))
+        killed = _launch(server, script, _train_args(folder / "resumed"), folder / "probe-killed", problems=problems,
+                         timeout=timeout, grace=grace, kill_at=TRAIN_KILL_AT)
+        resumed = _launch(server, script, _train_args(folder / "resumed"), folder / "probe-resumed", problems=problems,
+                          timeout=timeout, grace=grace)
+        _judge_launch(resumed, "resume", timeout, grace)
+        _judge_resume(whole, killed, resumed, last, folder / "resumed")
+        scale = {"steps": 1, "precision": "fp32", "clip": 1e6, "dropout": 0.0, "every": 1}
+        two = _launch(server, script, _train_args(folder / "scale2", batch_size=len(SCALE_PROBLEMS) // 2, **scale),
+                      folder / "probe-two", problems=SCALE_PROBLEMS, timeout=timeout, grace=grace)
+        _judge_launch(two, "scale", timeout, grace)
+        one = _launch(server, script, _train_args(folder / "scale1", batch_size=len(SCALE_PROBLEMS), **scale),
+                      folder / "probe-one", world_size=1, problems=SCALE_PROBLEMS, timeout=timeout, grace=grace)
+        _judge_launch(one, "scale", timeout, grace)
+        with _stubs("capstone_train", script.parent):
+            _judge_scale(script, two, one)
+    with _stubs("capstone_train", script.parent):
+        _judge_accuracy(_trained_model(script))
