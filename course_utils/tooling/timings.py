@@ -129,7 +129,7 @@ def course_map(repeat: int = 3, log=print) -> str:
     lines.append("")
     lines.append(
         f"Measured by `python -m course_utils timings --repeat {repeat}` on {os.cpu_count()} CPU cores "
-        f"({platform.machine()}), as medians of {repeat} runs: *nbval* runs the solution copy under "
+        f"({platform.machine()}), {'as medians of ' + str(repeat) + ' runs' if repeat > 1 else 'in one run'}: *nbval* runs the solution copy under "
         f"`pytest --nbval --nbval-current-env`, *checker* runs `python -m course_utils check` on it. "
         f"Both include a kernel start and `import torch`; nbval on a one-cell notebook that only imports torch "
         f"took {floor:.1f} s in the same run. The whole course under nbval: {total:.0f} s. {STUDY_NOTE}"
