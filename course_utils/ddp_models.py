@@ -42,6 +42,7 @@ class TrainingDigits(Dataset):
 
         self.images, self.labels = classification_datasets("digits")[0].tensors
         self.reads = _PROBE.reads if _PROBE is not None else None
+        self.outside = _PROBE.outside if _PROBE is not None else None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -49,6 +50,9 @@ class TrainingDigits(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.reads is not None:
             self.reads.append(int(index))
+            caller = sys._getframe(1).f_code.co_filename  # a DataLoader's fetcher, or a torch Dataset wrapping this one
+            if f"torch{os.sep}utils{os.sep}data{os.sep}" not in caller:
+                self.outside.append(int(index))
         return self.images[index], self.labels[index]
 
 
@@ -120,6 +124,7 @@ class _ScriptProbe:
     def __init__(self, rank: int):
         self.rank = rank
         self.reads: list[int] = []
+        self.outside: list[int] = []  # the reads that no DataLoader made (the learner's own training_digits()[i])
         self.models: list[tuple[nn.Module, list[int]]] = []
         self.saves: list[dict] = []
         self.ddp_wraps: list[bool] = []
@@ -152,7 +157,7 @@ class _ScriptProbe:
         state = None
         if trained is not None:
             state = {k: v.detach().clone() for k, v in trained[0].state_dict().items()}
-        return {"reads": self.reads, "batches": trained[1].batches if trained else [], "models": len(self.models),
+        return {"reads": self.reads, "outside": len(self.outside), "batches": trained[1].batches if trained else [], "models": len(self.models),
                 "state": state, "after_two_steps": trained[1].after_two_steps if trained else None, "saves": self.saves,
                 "ddp_wraps": self.ddp_wraps, "initialized_at_end": dist.is_available() and dist.is_initialized()}
 

@@ -151,12 +151,52 @@ def _close_all(values: list[float], targets: list[float]) -> bool:
     return all(math.isclose(v, w, rel_tol=1e-6) for v, w in zip(values, targets))
 
 
-def _accuracy_fault(got: list[float], correct: list[int], sizes: list[int], world: SimulatedWorld) -> str:
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _other_reduction(world: SimulatedWorld) -> str | None:
+    """The first reduce op a rank used other than SUM and AVG (MAX, MIN, PRODUCT), or None."""
+    return next((op for ops in world.reductions for op in ops if op not in ("SUM", "AVG")), None)
+
+
+def _low_precision_sent(world: SimulatedWorld) -> torch.dtype | None:
+    """The dtype of the first float16 or bfloat16 tensor a rank passed to a collective, or None."""
+    return next((t.dtype for sent in world.sent for t in sent
+                 if isinstance(t, torch.Tensor) and t.dtype in _LOW_PRECISION), None)
+
+
+def _counts_summed(world: SimulatedWorld, correct: int, samples: int) -> bool:
+    """Whether the ranks' collectives, summed over the ranks, carried both the right global counts."""
+    sums = set()
+    for k in range(min(len(sent) for sent in world.sent)):
+        tensors = [sent[k] for sent in world.sent]
+        if all(isinstance(t, torch.Tensor) and t.shape == tensors[0].shape for t in tensors):
+            sums.update(torch.stack([t.double() for t in tensors]).sum(0).flatten().tolist())
+    return correct in sums and samples in sums
+
+
+def _accuracy_fault(got: list[float], correct: list[int], sizes: list[int], world: SimulatedWorld,
+                    n_classes: int) -> str:
     """Why the ranks' values differ from the global accuracy, where the values themselves prove it; else expected/got."""
     world_size, total = len(sizes), sum(correct)
     expected = total / sum(sizes)
     local = [c / n if n else math.nan for c, n in zip(correct, sizes)]
     mean_of_means = sum(local) / world_size
+    op = _other_reduction(world)
+    if op:
+        return (f" returned {[round(v, 4) for v in got]}, expected {expected:.4f}: it all-reduced with ReduceOp.{op}, "
+                "which does not add the ranks' counts: sum them (ReduceOp.SUM, the default)")
+    low = _low_precision_sent(world)
+    if low is not None and all(abs(v - expected) < 0.02 for v in got):
+        return (f" returned {[round(v, 6) for v in got]}, expected {expected:.6g}: it passed a {_dtype_name(low)} tensor "
+                f"to a collective, and {_dtype_name(low)} keeps too few bits (bfloat16 8, float16 11), so the counts or their "
+                "quotient were rounded: count in int64 or float64")
+    if _close_all(got, [100 * expected] * world_size):
+        return (f" returned {got[0]:g}, 100 times the accuracy {expected:.4g}: return the fraction of correct "
+                "predictions (between 0 and 1), not a percentage")
+    if _close_all(got, [expected / n_classes] * world_size):
+        return (f" returned {got[0]:.6g}, the accuracy {expected:.4g} divided by the {n_classes} classes: it counted "
+                "logits.numel() (samples x classes) as the number of samples; count samples with len(labels)")
     if any(math.isnan(v) for v in got) and 0 in sizes:
         return (f": got nan; rank {sizes.index(0)} has no samples, so its own accuracy is 0/0: "
                 "all-reduce the number of correct predictions and the number of samples, then divide")
@@ -164,11 +204,13 @@ def _accuracy_fault(got: list[float], correct: list[int], sizes: list[int], worl
         return (f" returned the mean of the ranks' accuracies, {mean_of_means:.4f}; with shares of different sizes that "
                 f"is not the accuracy over all samples ({expected:.4f}): all-reduce the counts of correct predictions and "
                 "of samples, then divide")
-    if 0 < expected < 1 and all(v == math.floor(expected) for v in got):
+    if 0 < expected < 1 and _counts_summed(world, total, sum(sizes)) and all(v == math.floor(expected) for v in got):
         return (f" returned {got[0]:g} on every rank where the accuracy is {expected:.4g} ({total} of {sum(sizes)}): "
                 "its whole-number part, which is what integer division (//) gives: divide as floats")
     if _close_all(got, [local[0]] * world_size):
-        return (f" returned rank 0's own accuracy, {local[0]:.4f}, on every rank (as a broadcast from rank 0 gives), "
+        broadcast = any("broadcast" in events for events in world.events)
+        how = " (broadcast copies rank 0's value to every rank)" if broadcast else ""
+        return (f" returned rank 0's own accuracy, {local[0]:.4f}, on every rank{how}, "
                 f"not the accuracy over all samples ({expected:.4f}): all-reduce every rank's counts")
     if 0 not in sizes and _close_all(got, local):
         return (f": each rank returned its own accuracy {[round(v, 4) for v in got]}: combine every rank's counts with "
@@ -220,7 +262,7 @@ def check_global_accuracy(fn) -> None:
                                  "ranks' counts with dist.all_reduce")
         if all(math.isclose(v, expected, rel_tol=1e-6) for v in got):  # float32 sums are fine
             continue
-        raise ExerciseFailed(f"{what}{_accuracy_fault(got, correct, sizes, world)}")
+        raise ExerciseFailed(f"{what}{_accuracy_fault(got, correct, sizes, world, n_classes)}")
     logits, labels = _accuracy_case([6], 10, 3)[0]
     value = _real_once(fn, (logits, labels), "global_accuracy", "logits, labels")
     expected = float((logits.argmax(1) == labels).float().mean())
@@ -294,9 +336,20 @@ def check_average_gradients(fn) -> None:
         _raise_unwaited(world, what)
         untouched = all(torch.equal(grads[r][i], local[r][i]) for r in range(world_size) for i in trainable)
         if untouched:
+            sent = world.sent[0][0] if world.sent[0] else None
+            flat_grads = torch.cat([local[0][i].flatten() for i in trainable])
+            as_weights = [torch.cat([w.flatten() for w in weights[0]]),
+                          torch.cat([weights[0][i].flatten() for i in trainable])]  # every parameter, or those with a .grad
+            if isinstance(sent, torch.Tensor) and any(sent.numel() == w.numel() and torch.equal(sent.flatten().to(w.dtype), w)
+                                                      for w in as_weights):
+                raise ExerciseFailed(f"{what} passed the parameters to {world.events[0][0]}, not their gradients, and every "
+                                     ".grad is as it was: put the p.grad tensors in the flat tensor")
+            copy = isinstance(sent, torch.Tensor) and sent.numel() == flat_grads.numel() and torch.allclose(
+                sent.flatten().to(flat_grads.dtype), flat_grads, atol=1e-6)
             raise ExerciseFailed(
                 f"{what} called {world.events[0][0]}, but every .grad is as it was: the averaged values must end up in "
-                "each p.grad (a flat tensor made with torch.cat is a copy)"
+                "each p.grad" + (" (the flat tensor you all-reduced, made with torch.cat, is a copy: copy its slices "
+                                 "back into the gradients)" if copy else "")
             )
 
         def agrees(r, scale=1.0):
@@ -321,6 +374,19 @@ def check_average_gradients(fn) -> None:
                                          f"shape {tuple(mean[i].shape)}")
         if all(agrees(r) for r in range(world_size)):
             continue
+        op = _other_reduction(world)
+        if op:
+            raise ExerciseFailed(f"{what}: the .grad values are not the ranks' mean: it all-reduced with ReduceOp.{op}; "
+                                 "sum (ReduceOp.SUM) and divide by the world size, or use ReduceOp.AVG")
+        if "broadcast" in world.events[0] and all(torch.equal(grads[r][i], local[0][i]) for r in range(world_size) for i in trainable):
+            raise ExerciseFailed(f"{what}: every rank ended with rank 0's own gradients: broadcast copies one rank's "
+                                 "tensor, all_reduce combines every rank's")
+        low = _low_precision_sent(world)
+        if low is not None and all(torch.allclose(grads[r][i], mean[i], rtol=1e-2, atol=1e-4)
+                                   for r in range(world_size) for i in trainable):
+            raise ExerciseFailed(f"{what}: the .grad values are the mean only to about 3 digits: it all-reduced a "
+                                 f"{_dtype_name(low)} tensor, which rounds the gradients; keep the flat tensor in the "
+                                 "gradients' dtype (float32)")
         if all(agrees(r, 1 / world_size) for r in range(world_size)):
             avg = any("AVG" in ops for ops in world.reductions)
             raise ExerciseFailed(f"{what} left the mean divided by {world_size} once more: "
@@ -335,9 +401,13 @@ def check_average_gradients(fn) -> None:
         kept = [i for i in trainable if all(torch.equal(grads[r][i], local[r][i]) for r in range(world_size))]
         averaged = [i for i in trainable if all(torch.allclose(grads[r][i], mean[i], atol=1e-6) for r in range(world_size))]
         if kept and len(kept) + len(averaged) == len(trainable):
-            raise ExerciseFailed(f"{what}: {names[kept[0]]}.grad is still each rank's own gradient while the others were "
-                                 "averaged: it never went into the collective (model.parameters() yields every parameter, "
-                                 "those registered on the model itself too)")
+            direct = all("." not in names[i] for i in kept)  # only parameters registered on the model itself were left out
+            raise ExerciseFailed(f"{what}: {', '.join(names[i] + '.grad' for i in kept)} "
+                                 f"{'is' if len(kept) == 1 else 'are'} still each rank's own gradient while the others "
+                                 "were averaged: never put into the collective"
+                                 + (" (model.parameters() yields every parameter, those registered on the model itself "
+                                    "too; model.children() misses them)" if direct else
+                                    ": put every parameter's gradient, from model.parameters(), into the flat tensor"))
         wrong = next((r, i) for r in range(world_size) for i in trainable if not torch.allclose(grads[r][i], mean[i], atol=1e-6))
         r, i = wrong
         values = torch.cat([grads[r][j].flatten() for j in trainable]).sort().values
@@ -377,7 +447,7 @@ def _counted_ddp(seed: int):
 
 
 def _plain_training(seed: int, micro: list, groups: list[list[int]], lr: float, *, divide_by: int | None = None,
-                    zero: str = "before") -> list[torch.Tensor]:
+                    zero: str = "before", reduction: str = "mean") -> list[torch.Tensor]:
     """SGD on a plain _ScaledNet that starts with stale gradients: one step per group of micro-batch indices.
 
     zero: when the gradients are zeroed, "before" each group (right), "never", "once" at the start, "after" each step,
@@ -396,7 +466,7 @@ def _plain_training(seed: int, micro: list, groups: list[list[int]], lr: float, 
             if zero == "each":
                 optimizer.zero_grad()
             inputs, targets = micro[i]
-            (F.cross_entropy(model(inputs), targets) / (divide_by or len(group))).backward()
+            (F.cross_entropy(model(inputs), targets, reduction=reduction) / (divide_by or len(group))).backward()
         optimizer.step()
         if zero == "after":
             optimizer.zero_grad()
@@ -416,6 +486,7 @@ def check_train_accumulated(fn) -> None:
         ends = [group[-1] + 1 for group in groups]
         lr = 0.5
         what = f"train_accumulated(ddp_model, optimizer, {n_micro} micro-batches, accumulate={accumulate})"
+        given = list(micro)
         with one_rank_group():
             ddp, log = _counted_ddp(3)
             for p in ddp.parameters():  # stale gradients from an earlier step
@@ -426,8 +497,16 @@ def check_train_accumulated(fn) -> None:
         names = [n for n, _ in ddp.module.named_parameters()]
         got = [p.detach() for p in ddp.module.parameters()]
         steps, syncs = log["steps"], log["syncs"]
+        if len(micro) != len(given) or any(a is not b for a, b in zip(micro, given)):
+            raise ExerciseFailed(f"{what} changed the caller's list of micro-batches (it holds {len(micro)} items now, "
+                                 f"{len(given)} before): read it, do not pop from it or reassign its items")
+        if not ddp.training or not ddp.module.training:
+            raise ExerciseFailed(f"{what} left the model in eval mode: it came in training mode, and a training loop "
+                                 "trains in it (no model.eval() here)")
         if not steps:
-            raise ExerciseFailed(f"{what} never called optimizer.step()")
+            moved = not all(torch.equal(a, b.detach()) for a, b in zip(got, _ScaledNet(3).parameters()))
+            raise ExerciseFailed(f"{what} never called optimizer.step()" + (
+                ", though the weights changed: step the optimizer it was given" if moved else ""))
         if len(steps) == n_micro and n_micro != len(groups):
             raise ExerciseFailed(f"{what} stepped the optimizer after every micro-batch: step once per group of "
                                  f"{accumulate} ({len(groups)} steps here)")
@@ -435,7 +514,10 @@ def check_train_accumulated(fn) -> None:
             raise ExerciseFailed(f"{what} stepped {len(steps)} times: the last {n_micro % accumulate} micro-batch(es) "
                                  f"form a shorter group that needs its own step ({len(groups)} steps here)")
         if log["forwards"] != n_micro:
-            raise ExerciseFailed(f"{what} ran {log['forwards']} forward passes, expected one per micro-batch ({n_micro})")
+            one_per_group = log["forwards"] == len(groups) and len(groups) < n_micro
+            raise ExerciseFailed(f"{what} ran {log['forwards']} forward passes, expected one per micro-batch ({n_micro})"
+                                 + (": one forward per group is not accumulation; micro-batches exist because a whole "
+                                    "group does not fit in memory at once" if one_per_group else ""))
         if steps != ends:
             raise ExerciseFailed(f"{what} stepped after micro-batches {steps}, expected after {ends}")
         if not syncs:
@@ -459,6 +541,17 @@ def check_train_accumulated(fn) -> None:
         if same(_plain_training(3, micro, groups, lr, divide_by=1)):
             raise ExerciseFailed(f"{what} stepped on the sum of the micro-batch losses: divide each by the number of "
                                  "micro-batches in its group, so that each step uses the mean loss")
+        if same([p.detach() for p in _ScaledNet(3).parameters()]):
+            raise ExerciseFailed(f"{what} called optimizer.step() {len(steps)} times, but no weight changed: the "
+                                 "gradients were zero or None when it stepped (zero them before a group's first "
+                                 "backward, not between backward and step)")
+        if n_micro > accumulate and same(_plain_training(3, micro, groups, lr, divide_by=n_micro)):
+            raise ExerciseFailed(f"{what} divided each loss by the number of all micro-batches ({n_micro}): divide by "
+                                 "the number in its group, so that each step uses that group's mean loss")
+        for divide_by, how in [(None, "divided by the group's size"), (1, "summed")]:
+            if same(_plain_training(3, micro, groups, lr, divide_by=divide_by, reduction="sum")):
+                raise ExerciseFailed(f"{what} used F.cross_entropy(..., reduction=\"sum\") ({how}): the loss of each "
+                                     "micro-batch is the mean over its samples, the default reduction")
         for zero, fault in [("never", "never zeroed the gradients, so each group's gradients leaked into the later steps"),
                             ("once", "zeroed the gradients only once, so each group's gradients leaked into the later steps"),
                             ("after", "zeroed the gradients only after each step, so the stale ones the model came with "
@@ -481,6 +574,22 @@ def _fsdp_units(model: nn.Module) -> dict[str, bool]:
     from torch.distributed.fsdp import FSDPModule
 
     return {name: isinstance(m, FSDPModule) for name, m in model.named_modules()}
+
+
+def _unit_mesh(unit: nn.Module):
+    """The device mesh an FSDP2 unit was sharded over, or None where this torch keeps it elsewhere."""
+    try:
+        return unit._get_fsdp_state()._fsdp_param_group.mesh_info.mesh
+    except AttributeError:
+        return None
+
+
+def _policy(unit: nn.Module):
+    """The MixedPrecisionPolicy an FSDP2 unit was given, or None where this torch keeps it elsewhere."""
+    try:
+        return unit._get_fsdp_state()._mp_policy
+    except AttributeError:
+        return None
 
 
 def _raise_precision_fault(what: str, compute: dict[str, torch.dtype], head: str, crashed: str | None = None) -> None:
@@ -556,6 +665,22 @@ def check_shard_model(fn) -> None:
             if inner:
                 raise ExerciseFailed(f"{what} made {inner[0]} a unit of its own: each Block is one unit, gathered whole "
                                      "just before it runs; do not shard the layers inside it separately")
+            sharded = {name or "the root": m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+            other_mesh = [name for name, m in sharded.items() if _unit_mesh(m) is not None and _unit_mesh(m) is not mesh]
+            if other_mesh:
+                raise ExerciseFailed(f"{what}: {other_mesh[0]} was sharded over another device mesh than the one passed "
+                                     "in: give fully_shard mesh=mesh for each unit (without it, FSDP2 builds a mesh over "
+                                     "every rank of the default group)")
+            no_param_dtype = [(name, _policy(m)) for name, m in sharded.items()
+                              if _policy(m) is not None and _policy(m).param_dtype is None
+                              and (_policy(m).output_dtype is not None or _policy(m).reduce_dtype is not None)]
+            if no_param_dtype:
+                name, policy = no_param_dtype[0]
+                given = ", ".join(f"{field}={_dtype_name(getattr(policy, field))}" for field in ("reduce_dtype", "output_dtype")
+                                  if getattr(policy, field) is not None)
+                raise ExerciseFailed(f"{what}: the MixedPrecisionPolicy of {name if name == 'the root' else 'block ' + name} "
+                                     f"sets {given} but not param_dtype, the dtype the unit computes in: set "
+                                     "param_dtype=torch.bfloat16")
             params = list(model.parameters())
             held = [p for group in optimizer.param_groups for p in group["params"]]
             if held and all(id(p) in old for p in held):
@@ -705,6 +830,11 @@ def _judge_training(runs: list[RankRun], out: Path) -> None:
         if not reads:
             raise ExerciseFailed(f"rank {rank} read no sample of training_digits() in its own process: train on "
                                  "course_utils.ddp_models.training_digits() through a DataLoader without num_workers")
+        if rec.get("outside"):
+            raise ExerciseFailed(f"rank {rank} read {rec['outside']:,} training sample{'s' if rec['outside'] > 1 else ''} "
+                                 "outside a DataLoader (by indexing "
+                                 "training_digits() in its own code): read them only through the training DataLoader, "
+                                 "with its DistributedSampler")
         if len(reads) == epochs * n:
             raise ExerciseFailed(f"rank {rank} read all {n:,} training samples in every epoch: give the DataLoader a "
                                  "DistributedSampler, so that each rank reads its own share")

@@ -91,6 +91,7 @@ class SimulatedWorld:
         self.local = threading.local()
         self.events: list[list[str]] = [[] for _ in range(world_size)]
         self.reductions: list[list[str]] = [[] for _ in range(world_size)]  # the op of each all_reduce or reduce: "SUM", "AVG", ...
+        self.sent: list[list] = [[] for _ in range(world_size)]  # what each rank passed to each collective (a copy)
         self.pending: list[list[Work]] = [[] for _ in range(world_size)]
         self.unwaited: set[int] = set()  # ranks that returned with an async collective never waited on
         self.hung: dict[int, str] = {}
@@ -109,6 +110,7 @@ class SimulatedWorld:
     def _exchange(self, op: str, payload) -> list:
         rank = self.rank()
         self.events[rank].append(op)
+        self.sent[rank].append(payload)
         self.slots[rank] = (op, payload)
         self._sync(op)
         seen = list(self.slots)

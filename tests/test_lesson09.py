@@ -554,6 +554,154 @@ def shard_a_bfloat16_model(model, mesh):
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+
+# Wrong answers of the blind round on lesson 09 (each names a class of fault the check now tells apart).
+
+def accuracy_max_op(logits, labels):
+    totals = torch.tensor([(logits.argmax(1) == labels).sum().item(), len(labels)], dtype=torch.float64)
+    dist.all_reduce(totals, op=dist.ReduceOp.MAX)
+    return (totals[0] / totals[1]).item()
+
+
+def accuracy_bfloat16_counts(logits, labels):
+    totals = torch.tensor([(logits.argmax(1) == labels).sum().item(), len(labels)], dtype=torch.bfloat16)
+    dist.all_reduce(totals)
+    return float(totals[0] / totals[1])
+
+
+def accuracy_in_percent(logits, labels):
+    totals = torch.tensor([(logits.argmax(1) == labels).sum().item(), len(labels)], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return (100 * totals[0] / totals[1]).item()
+
+
+def accuracy_over_numel(logits, labels):
+    totals = torch.tensor([(logits.argmax(1) == labels).sum().item(), logits.numel()], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
+def accuracy_argmax_over_samples(logits, labels):  # wrong counts, then a float division: no integer-division story
+    predictions = logits.argmax(0)[: len(labels)] if len(logits) else labels
+    totals = torch.tensor([(predictions == labels[: len(predictions)]).sum().item(), len(labels)], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
+def _flat_grads(model):
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def _write_back(grads, flat):
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
+def average_max_op(model):
+    grads = _flat_grads(model)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    _write_back(grads, flat)
+
+
+def average_broadcast_rank0(model):
+    grads = _flat_grads(model)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.broadcast(flat, src=0)
+    _write_back(grads, flat)
+
+
+def average_in_float16(model):
+    grads = _flat_grads(model)
+    flat = torch.cat([g.reshape(-1) for g in grads]).half()
+    dist.all_reduce(flat)
+    _write_back(grads, flat / dist.get_world_size())
+
+
+def average_first_gradient_only(model):
+    p = next(p for p in model.parameters() if p.grad is not None)  # only the first gradient goes into the collective
+    dist.all_reduce(p.grad)
+    p.grad /= dist.get_world_size()
+
+
+def accumulate_consumes_the_list(ddp_model, optimizer, micro_batches, accumulate):
+    import contextlib
+    while micro_batches:
+        group = [micro_batches.pop(0) for _ in range(min(accumulate, len(micro_batches)))]
+        optimizer.zero_grad()
+        for i, (x, y) in enumerate(group):
+            with contextlib.nullcontext() if i == len(group) - 1 else ddp_model.no_sync():
+                (F.cross_entropy(ddp_model(x), y) / len(group)).backward()
+        optimizer.step()
+
+
+def accumulate_in_eval_mode(ddp_model, optimizer, micro_batches, accumulate):
+    ddp_model.eval()
+    L.train_accumulated(ddp_model, optimizer, micro_batches, accumulate)
+
+
+def _accumulate(ddp_model, optimizer, micro_batches, accumulate, loss_of, zero_between=False):
+    import contextlib
+    for start in range(0, len(micro_batches), accumulate):
+        group = micro_batches[start:start + accumulate]
+        if not zero_between:
+            optimizer.zero_grad()
+        for i, (x, y) in enumerate(group):
+            with contextlib.nullcontext() if i == len(group) - 1 else ddp_model.no_sync():
+                loss_of(ddp_model(x), y, len(group), len(micro_batches)).backward()
+        if zero_between:
+            optimizer.zero_grad()
+        optimizer.step()
+
+
+def accumulate_sum_reduction(ddp_model, optimizer, micro_batches, accumulate):
+    _accumulate(ddp_model, optimizer, micro_batches, accumulate,
+                lambda out, y, n_group, n_all: F.cross_entropy(out, y, reduction="sum") / n_group)
+
+
+def accumulate_over_all_micro_batches(ddp_model, optimizer, micro_batches, accumulate):
+    _accumulate(ddp_model, optimizer, micro_batches, accumulate,
+                lambda out, y, n_group, n_all: F.cross_entropy(out, y) / n_all)
+
+
+def accumulate_zero_before_step(ddp_model, optimizer, micro_batches, accumulate):
+    _accumulate(ddp_model, optimizer, micro_batches, accumulate,
+                lambda out, y, n_group, n_all: F.cross_entropy(out, y) / n_group, zero_between=True)
+
+
+def accumulate_own_optimizer(ddp_model, optimizer, micro_batches, accumulate):
+    mine = torch.optim.SGD(ddp_model.parameters(), lr=optimizer.param_groups[0]["lr"])
+    L.train_accumulated(ddp_model, mine, micro_batches, accumulate)
+
+
+def accumulate_concatenated_groups(ddp_model, optimizer, micro_batches, accumulate):
+    for start in range(0, len(micro_batches), accumulate):
+        group = micro_batches[start:start + accumulate]
+        optimizer.zero_grad()
+        F.cross_entropy(ddp_model(torch.cat([x for x, _ in group])), torch.cat([y for _, y in group])).backward()
+        optimizer.step()
+
+
+def shard_without_mesh(model, mesh):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in model[:-1]:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def shard_output_dtype_only(model, mesh):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(output_dtype=torch.bfloat16)
+    for block in model[:-1]:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
 ALTERNATIVES = [
     (L.check_global_accuracy, accuracy_two_reductions),
     (L.check_global_accuracy, accuracy_gather_objects),
@@ -578,7 +726,7 @@ WRONG = [
     (L.check_global_accuracy, accuracy_without_wait, r"rank 0 started a collective with async_op=True and never called \.wait\(\)"),
     (L.check_global_accuracy, accuracy_equal_shares, r"each rank divided the global number of correct predictions \(\d+\) by its own number of samples times the world size, which assumes equal shares"),
     (L.check_global_accuracy, accuracy_floor_of_floats, r"returned 0 on every rank where the accuracy is 0\.7 \(7 of 10\): its whole-number part, which is what integer division \(//\) gives"),
-    (L.check_global_accuracy, accuracy_broadcast_from_rank0, r"returned rank 0's own accuracy, 0\.\d+, on every rank \(as a broadcast from rank 0 gives\)"),
+    (L.check_global_accuracy, accuracy_broadcast_from_rank0, r"returned rank 0's own accuracy, 0\.\d+, on every rank \(broadcast copies rank 0's value to every rank\)"),
     (L.check_global_accuracy, accuracy_integer_division, "rank 0 returned an int, expected a Python float"),
     (L.check_global_accuracy, accuracy_on_rank0_only, r"rank 0 waited in all_reduce .*ranks \[1\] called no collective.*a real job would hang"),
     (L.check_global_accuracy, accuracy_gather_labels, r"raised RuntimeError on rank \d: ProcessGroupGloo::allgather: invalid tensor size .*\(all_gather needs tensors of the same size"),
@@ -589,14 +737,14 @@ WRONG = [
     (L.check_average_gradients, average_by_two, r"on 3 ranks divided the sum by 2"),
     (L.check_average_gradients, average_including_frozen, r"raised AttributeError on rank 0: 'NoneType' object has no attribute 'flatten' \(in .*, line \d+\) \(a frozen parameter has p\.grad None"),
     (L.check_average_gradients, average_to_rank0, r"only rank 0 got the mean gradients, .*; dist\.reduce leaves the result on one rank"),
-    (L.check_average_gradients, average_the_parameters, r"called all_reduce, but every \.grad is as it was"),
+    (L.check_average_gradients, average_the_parameters, r"passed the parameters to all_reduce, not their gradients, and every \.grad is as it was"),
     (L.check_average_gradients, average_without_wait, r"rank 0 started a collective with async_op=True and never called \.wait\(\)"),
     (L.check_average_gradients, average_zeros_for_frozen, r"gave the frozen parameter frozen\.weight a gradient"),
     (L.check_average_gradients, average_on_rank0_only, r"rank 0 waited in all_reduce .*a real job would hang"),
     (L.check_average_gradients, average_in_reverse, r"raised RuntimeError on rank 0: .*a slice of the flat tensor had another size|the averaged values are all there, but in the wrong parameters"),
     (L.check_average_gradients, average_avg_then_divide, r"left the mean divided by 2 once more: all_reduce with op=ReduceOp\.AVG already divides by the world size"),
     (L.check_average_gradients, average_floor_division, r"left the mean rounded down to whole numbers .*floor division \(//\) drops the fraction"),
-    (L.check_average_gradients, average_submodules_only, r"scale\.grad is still each rank's own gradient while the others were averaged: it never went into the collective"),
+    (L.check_average_gradients, average_submodules_only, r"scale\.grad is still each rank's own gradient while the others were averaged: never put into the collective \(model\.parameters\(\) yields every parameter, those registered on the model itself too"),
     (L.check_average_gradients, average_offsets_count_frozen, r"raised RuntimeError on rank \d: .*a slice of the flat tensor had another size than the gradient it goes back to"),
     (L.check_train_accumulated, accumulate_every_micro_batch_syncs, r"all-reduced after every micro-batch: .*no_sync"),
     (L.check_train_accumulated, accumulate_never_syncs, r"never all-reduced the gradients"),
@@ -624,6 +772,24 @@ WRONG = [
     (L.check_shard_model, shard_with_another_lr, r"the optimizer's lr is 0\.01, expected 1e-3"),
     (L.check_shard_model, shard_root_first, r"raised TypeError: .*\(fully_shard ran on a Block after the root was sharded.*shard bottom-up, each Block first, then the root\)"),
     (L.check_shard_model, shard_without_casting_inputs, r"raised RuntimeError: .*\(the policy of the root has cast_forward_inputs=False, so its float32 input met bfloat16 weights"),
+    (L.check_global_accuracy, accuracy_max_op, r"returned \[0\.\d+, 0\.\d+\], expected 0\.7000: it all-reduced with ReduceOp\.MAX, which does not add the ranks' counts"),
+    (L.check_global_accuracy, accuracy_bfloat16_counts, r"it passed a bfloat16 tensor to a collective, and bfloat16 keeps too few bits .*count in int64 or float64$"),
+    (L.check_global_accuracy, accuracy_in_percent, r"returned 70, 100 times the accuracy 0\.7: return the fraction of correct predictions \(between 0 and 1\), not a percentage$"),
+    (L.check_global_accuracy, accuracy_over_numel, r"returned 0\.0583333, the accuracy 0\.7 divided by the 12 classes: it counted logits\.numel\(\)"),
+    (L.check_global_accuracy, accuracy_argmax_over_samples, r"with \[7, 3\] samples: expected 0\.7 on every rank, got \[0\.0, 0\.0\]$"),
+    (L.check_average_gradients, average_max_op, r"the \.grad values are not the ranks' mean: it all-reduced with ReduceOp\.MAX; sum"),
+    (L.check_average_gradients, average_broadcast_rank0, r"every rank ended with rank 0's own gradients: broadcast copies one rank's tensor, all_reduce combines every rank's$"),
+    (L.check_average_gradients, average_in_float16, r"the \.grad values are the mean only to about 3 digits: it all-reduced a float16 tensor"),
+    (L.check_average_gradients, average_first_gradient_only, r"first\.weight\.grad, first\.bias\.grad, last\.weight\.grad, last\.bias\.grad are still each rank's own gradient .*: put every parameter's gradient, from model\.parameters\(\), into the flat tensor$"),
+    (L.check_train_accumulated, accumulate_consumes_the_list, r"changed the caller's list of micro-batches \(it holds 0 items now, 7 before\)"),
+    (L.check_train_accumulated, accumulate_in_eval_mode, r"left the model in eval mode: it came in training mode"),
+    (L.check_train_accumulated, accumulate_sum_reduction, r"used F\.cross_entropy\(\.\.\., reduction=\"sum\"\) \(divided by the group's size\)"),
+    (L.check_train_accumulated, accumulate_over_all_micro_batches, r"divided each loss by the number of all micro-batches \(7\): divide by the number in its group"),
+    (L.check_train_accumulated, accumulate_zero_before_step, r"called optimizer\.step\(\) 3 times, but no weight changed: the gradients were zero or None when it stepped"),
+    (L.check_train_accumulated, accumulate_own_optimizer, r"never called optimizer\.step\(\), though the weights changed: step the optimizer it was given$"),
+    (L.check_train_accumulated, accumulate_concatenated_groups, r"ran 3 forward passes, expected one per micro-batch \(7\): one forward per group is not accumulation"),
+    (L.check_shard_model, shard_without_mesh, r"the root was sharded over another device mesh than the one passed in: give fully_shard mesh=mesh"),
+    (L.check_shard_model, shard_output_dtype_only, r"the MixedPrecisionPolicy of the root sets output_dtype=bfloat16 but not param_dtype, the dtype the unit computes in"),
 ]
 
 
@@ -783,6 +949,8 @@ SCRIPT_WRONG = {
                                 r"the ranks trained with lr 0\.1, --lr times the world size: use --lr as given"),
     "summed loss": (_script((FORWARD, FORWARD.replace("labels)", "labels, reduction=\"sum\")"))),
                     r"the ranks trained on the sum of the cross-entropy over each batch \(reduction='sum'\): use the mean"),
+    "indexes the dataset itself": (_script(("    sampler = DistributedSampler(dataset)", "    first_image, first_label = dataset[0]\n    sampler = DistributedSampler(dataset)")),
+                                   r"^ddp_digits: rank 0 read 1 training sample outside a DataLoader \(by indexing training_digits\(\) in its own code\)"),
     "saves the module object": (_script((SAVE, SAVE.replace("model.module.state_dict()", "model.module"))),
                                 r"rank 0 saved the model object itself \(torch\.save of a Sequential\): save model\.module\.state_dict\(\)"),
 }
