@@ -951,6 +951,10 @@ SCRIPT_WRONG = {
                     r"the ranks trained on the sum of the cross-entropy over each batch \(reduction='sum'\): use the mean"),
     "indexes the dataset itself": (_script(("    sampler = DistributedSampler(dataset)", "    first_image, first_label = dataset[0]\n    sampler = DistributedSampler(dataset)")),
                                    r"^ddp_digits: rank 0 read 1 training sample outside a DataLoader \(by indexing training_digits\(\) in its own code\)"),
+    "one epoch short": (_script(("range(args.epochs)", "range(1, args.epochs)")),
+                        r"rank 0 read its share of 719 samples 1 time, so it trained 1 epoch: run --epochs epochs \(2 here\)$"),
+    "hard-coded lr": (_script((OPTIMIZER, OPTIMIZER.replace("lr=args.lr", "lr=0.5"))),
+                      r"the ranks trained with lr 0\.5, not --lr \(0\.05 here\): pass args\.lr to the optimizer$"),
     "saves the module object": (_script((SAVE, SAVE.replace("model.module.state_dict()", "model.module"))),
                                 r"rank 0 saved the model object itself \(torch\.save of a Sequential\): save model\.module\.state_dict\(\)"),
 }
