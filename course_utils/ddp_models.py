@@ -50,10 +50,21 @@ class TrainingDigits(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.reads is not None:
             self.reads.append(int(index))
-            caller = sys._getframe(1).f_code.co_filename  # a DataLoader's fetcher, or a torch Dataset wrapping this one
-            if f"torch{os.sep}utils{os.sep}data{os.sep}" not in caller:
+            if not _called_by_a_dataloader():
                 self.outside.append(int(index))
         return self.images[index], self.labels[index]
+
+
+def _called_by_a_dataloader(depth: int = 12) -> bool:
+    """Whether a DataLoader's fetcher is among the callers (directly, or through datasets that wrap this one)."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if f"torch{os.sep}utils{os.sep}data{os.sep}" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def training_digits() -> TrainingDigits:
@@ -157,7 +168,8 @@ class _ScriptProbe:
         state = None
         if trained is not None:
             state = {k: v.detach().clone() for k, v in trained[0].state_dict().items()}
-        return {"reads": self.reads, "outside": len(self.outside), "batches": trained[1].batches if trained else [], "models": len(self.models),
+        return {"reads": self.reads, "outside": len(self.outside), "batches": trained[1].batches if trained else [],
+                "models": len(self.models),
                 "state": state, "after_two_steps": trained[1].after_two_steps if trained else None, "saves": self.saves,
                 "ddp_wraps": self.ddp_wraps, "initialized_at_end": dist.is_available() and dist.is_initialized()}
 

@@ -812,6 +812,36 @@ def _one_process(steps: list[list[int]], lr: float, momentum: float = 0.0, zero:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _fitted_lr(early: dict, steps: list[list[int]]) -> float | None:
+    """The lr with which two plain SGD steps on these global batches give the weights `early`, if one does, else None."""
+    data = TrainingDigits()
+    batches = [(data.images[index], data.labels[index]) for index in steps]
+
+    def miss(log_lr: float) -> float:
+        model = make_model()
+        for images, labels in batches:
+            grads = torch.autograd.grad(F.cross_entropy(model(images), labels), list(model.parameters()))
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), grads):
+                    p.sub_(g, alpha=10 ** log_lr)
+        return _max_diff(early, model.state_dict())
+    low, high = -5.0, 1.5  # lr from 1e-5 to about 30, searched on a log scale (the miss is smooth in lr)
+    golden = (5 ** 0.5 - 1) / 2
+    a, b = high - golden * (high - low), low + golden * (high - low)
+    fa, fb = miss(a), miss(b)
+    for _ in range(36):
+        if fa < fb:
+            high, b, fb = b, a, fa
+            a = high - golden * (high - low)
+            fa = miss(a)
+        else:
+            low, a, fa = a, b, fb
+            b = low + golden * (high - low)
+            fb = miss(b)
+    best = a if fa < fb else b
+    return 10 ** best if min(fa, fb) < 1e-5 else None
+
+
 def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
 
@@ -841,6 +871,10 @@ def _judge_training(runs: list[RankRun], out: Path) -> None:
         if len(reads) == epochs * (share - share % batch):
             raise ExerciseFailed(f"rank {rank} read {share - share % batch} of its {share} samples per epoch: the last, "
                                  "shorter batch was dropped (drop_last=True?); every sample counts once per epoch")
+        if len(reads) % share == 0 and len(reads) != epochs * share and rec.get("outside") == 0:
+            k = len(reads) // share
+            raise ExerciseFailed(f"rank {rank} read its share of {share} samples {k} time{'s' if k > 1 else ''}, so it "
+                                 f"trained {k} epoch{'s' if k > 1 else ''}: run --epochs epochs ({epochs} here)")
         if len(reads) != epochs * share:
             raise ExerciseFailed(f"rank {rank} read {len(reads)} training samples in {epochs} epochs, expected "
                                  f"{epochs} x {share}: read training_digits() only through the training DataLoader")
@@ -897,6 +931,10 @@ def _judge_training(runs: list[RankRun], out: Path) -> None:
             # After two steps, before training amplifies the rounding of a large step (lr x world size, a summed loss).
             if early is not None and len(steps) > 2 and _max_diff(early, _one_process(steps[:2], **{"lr": lr, **variant})) < 1e-4:
                 raise ExerciseFailed(f"the ranks trained {fault}")
+        used = _fitted_lr(early, steps[:2]) if early is not None and len(steps) > 2 else None
+        if used is not None and not math.isclose(used, lr, rel_tol=0.01):
+            raise ExerciseFailed(f"the ranks trained with lr {used:.3g}, not --lr ({lr:g} here): pass args.lr to the "
+                                 "optimizer")
         raise ExerciseFailed(f"rank 0's weights after training differ from one process trained on the same global "
                              f"batches with SGD(lr={lr:g}) on the mean cross-entropy (max |difference| {off:.1e}): "
                              "one optimizer step per batch, lr=--lr, no momentum")
