@@ -202,7 +202,24 @@ def load_raises_its_own_error(path, model):
         raise ValueError("unsafe file") from None
 
 
+def load_cuts_seven_characters(path, model):  # a fixed cut, where a prefix is 7 or 10 characters long
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        state = torch.load(path, map_location="cpu")["model"]
+    model.load_state_dict({k[7:] if k.startswith(("module.", "_orig_mod.")) else k: v for k, v in state.items()})
+    return model.eval()
+
+
+def load_splits_every_key(path, model):  # drops the first part of every key, prefixed or not
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        state = torch.load(path, map_location="cpu")["model"]
+    model.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items()})
+    return model.eval()
+
+
 LOAD_WRONG = [
+    (load_cuts_seven_characters, "the keys still carry part of a prefix \\(e.g. 'od.encoder.weight' for 'encoder.weight'\\): remove the whole"),
+    (load_splits_every_key, "plain model, model\\) raised RuntimeError: Missing key.*the keys lost more than the prefix "
+                            "\\(e.g. 'weight' for 'encoder.weight'\\): remove only `module.` or `_orig_mod.`, and only from the keys that start with it"),
     (load_unsafely, "ran the code hidden in the file.*not loaded with weights_only=True"),
     (load_without_allowlist, ("raised UnpicklingError: WeightsUnpickler error: Unsupported global: GLOBAL argparse.Namespace "
                               "\\(.*safe_globals\\(\\[argparse.Namespace\\]\\)")),
@@ -368,7 +385,21 @@ def serve_concatenated(model, requests, max_batch):  # torch.cat joins (1, 8, 8)
         return torch.cat([model(torch.cat(requests[i:i + max_batch])).softmax(dim=1) for i in range(0, len(requests), max_batch)])
 
 
+def serve_sigmoid(model, requests, max_batch):
+    model.eval()
+    with torch.no_grad():
+        return torch.cat([torch.sigmoid(model(torch.stack(requests[i:i + max_batch]))) for i in range(0, len(requests), max_batch)])
+
+
+def serve_grad_off_for_good(model, requests, max_batch):  # switches autograd off for the whole process
+    model.eval()
+    torch.set_grad_enabled(False)
+    return torch.cat([model(torch.stack(requests[i:i + max_batch])).softmax(dim=1) for i in range(0, len(requests), max_batch)])
+
+
 SERVE_WRONG = [
+    (serve_sigmoid, "its rows are not probabilities over the classes \\(row \\d+ sums to [\\d.]+, not 1\\): take a softmax"),
+    (serve_grad_off_for_good, "left autograd off for the rest of the process.*with torch.inference_mode\\(\\)"),
     (serve_classes, "returned the predicted classes, shape \\(10,\\): return the probabilities"),
     (serve_concatenated, "raised RuntimeError.*the model got a batch of shape \\(4, 8, 8\\): torch.cat joined.*torch.stack"),
     (serve_one_by_one, "ran 10 forward passes where 3 are enough.*batch sizes \\[1, 1,"),
@@ -466,9 +497,46 @@ def export_changes_the_request(model, request):
     return L.export_from_request(model, request)
 
 
+def _export_pair(model, request, **options):
+    return torch.export.export(model.eval(), (torch.cat([request, request]),), **options)
+
+
+def export_wrong_dimension(model, request):  # the Dim on the channels
+    return _export_pair(model, request, dynamic_shapes=({1: Dim("batch", max=1024)},))
+
+
+def export_integer_example(model, request):
+    return torch.export.export(model.eval(), (torch.ones(2, 1, 8, 8, dtype=torch.long),), dynamic_shapes=({0: Dim("batch", max=1024)},))
+
+
+def export_flat_example(model, request):
+    return torch.export.export(model.eval(), (request.flatten(1).repeat(2, 1),), dynamic_shapes=({0: Dim("batch", max=1024)},))
+
+
+def export_by_keyword(model, request):  # forward's argument is not called x
+    return torch.export.export(model.eval(), (), {"x": torch.cat([request, request])}, dynamic_shapes={"x": {0: Dim("batch", max=1024)}})
+
+
+def export_with_torchscript(model, request):
+    with warnings.catch_warnings():   # torch.jit.trace's deprecation warning, not the point here
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.jit.trace(model.eval(), torch.cat([request, request]))
+
+
+def export_returns_the_model(model, request):
+    _export_pair(model, request, dynamic_shapes=({0: Dim("batch", max=1024)},))
+    return model
+
+
 EXPORT_WRONG = [
+    (export_wrong_dimension, "raised UserError.*you marked dimension 1 dynamic; the batch is dimension 0"),
+    (export_integer_example, "raised RuntimeError.*an example of dtype torch.int64; the model takes torch.float32 images"),
+    (export_flat_example, "raised RuntimeError.*an example of shape \\(2, 64\\); the model takes images shaped like the request, \\(N, 1, 8, 8\\)"),
+    (export_by_keyword, "raised TypeError.*by keyword \\(x=\\).*positionally"),
+    (export_with_torchscript, "returned a TorchScript module \\(TopLevelTracedModule, from torch.jit\\): export with torch.export.export"),
+    (export_returns_the_model, "returned the model it was given: return the ExportedProgram"),
     (export_static, "refuses a batch of 2 \\(Guard failed: input.size\\(\\)\\[0\\] == 1\\): its batch size is fixed at 1"),
-    (export_request_with_dim, "raised UserError: Constraints violated.*specializes sizes 0 and 1.*example of 2 or more"),
+    (export_request_with_dim, "raised UserError: Constraints violated.*specializes sizes 0 and 1.*a batch of 2 or more"),
     (export_request_auto, "its batch size is fixed at 1"),
     (export_request_dynamic, "raised ValueError.*specializes sizes 0 and 1"),
     (export_pair_static, "refuses a batch of 1 .*fixed at 2"),
@@ -573,7 +641,13 @@ def cascade_in_place(small, large, x, threshold):
     return L.cascade(small, large, x, threshold)
 
 
+def cascade_strictly_above(small, large, x, threshold):  # "at least" read as "more than"
+    p = small(x).softmax(dim=1)
+    return torch.cond((p.amax(dim=1) > threshold).all(), lambda p, x: p.clone(), lambda p, x: large(x).softmax(dim=1), (p, x))
+
+
 CASCADE_WRONG = [
+    (cascade_strictly_above, "only when its top probabilities are above the threshold \\(>\\); `at least` the threshold counts too \\(>=\\)"),
     (cascade_python_if, "could not export cascade.*GuardOnDataDependentSymNode.*torch.cond\\(pred, true_fn, false_fn, operands\\)"),
     (cascade_where, "runs the large model on every batch.*torch.where.*torch.cond branch"),
     (cascade_any, "when it is sure of at least one image \\(.any\\(\\)\\)"),
@@ -597,6 +671,9 @@ def test_the_hidden_batches_have_the_top_probabilities_their_labels_say():
     assert all(abs(v - 0.97) < 0.01 for v in tops["a batch the small model is sure of (top probabilities 0.97)"])
     assert all(abs(v - 0.40) < 0.01 for v in tops["a batch it is unsure of (0.40)"])
     assert sorted(round(float(v), 2) for v in tops["a batch it is sure of but for 1 image (0.97 and 0.83)"]) == [0.83] + [0.97] * 7
+    certain = small(L._cascade_cases(small)[-1][1])
+    for p in (certain.softmax(1), certain.log_softmax(1).exp(), certain.exp() / certain.exp().sum(1, keepdim=True), certain.double().softmax(1)):
+        assert torch.equal(p.amax(1), torch.ones(8, dtype=p.dtype))   # exactly 1.0 however it is computed
 
 
 # ---- export_onnx -------------------------------------------------------------------------------------
@@ -759,11 +836,63 @@ def onnx_relative(model, example, path):
                    for x in (example, example[:1]))
 
 
+def _differences(model, example, path):
+    """ONNX Runtime's output minus the model's, on the example and on its first image alone."""
+    session = ort.InferenceSession(path)
+    with torch.no_grad():
+        return [session.run(None, {"images": x.numpy()})[0] - model(x).numpy() for x in (example, example[:1])]
+
+
+def onnx_signed(model, example, path):  # no absolute value: the largest difference in one direction only
+    _onnx_export(model, example, path)
+    return max(float(d.max()) for d in _differences(model, example, path))
+
+
+def onnx_first_image_only(model, example, path):  # runs both batches, returns the batch of 1's difference
+    _onnx_export(model, example, path)
+    return float(np.abs(_differences(model, example, path)[1]).max())
+
+
+def onnx_squared(model, example, path):
+    _onnx_export(model, example, path)
+    return max(float((d ** 2).max()) for d in _differences(model, example, path))
+
+
+def onnx_reference_before_eval(model, example, path):  # the reference pass in train mode moves batch norm's statistics
+    with torch.no_grad():
+        model(example)
+    _onnx_export(model, example, path)
+    return max(float(np.abs(d).max()) for d in _differences(model, example, path))
+
+
+def onnx_probabilities(model, example, path):  # compares the softmax of each, not the outputs
+    _onnx_export(model, example, path)
+    session = ort.InferenceSession(path)
+    with torch.no_grad():
+        return max(float((torch.from_numpy(session.run(None, {"images": x.numpy()})[0]).softmax(1) - model(x).softmax(1)).abs().max())
+                   for x in (example, example[:1]))
+
+
+def onnx_asserts_close(model, example, path):  # the notebook's assert_close, with its float32 defaults
+    _onnx_export(model, example, path)
+    session = ort.InferenceSession(path)
+    with torch.no_grad():
+        for x in (example, example[:1]):
+            torch.testing.assert_close(torch.from_numpy(session.run(None, {"images": x.numpy()})[0]), model(x))
+    return 0.0
+
+
 ONNX_WRONG = [
+    (onnx_signed, "the largest signed difference \\([ab] - [ab]\\).max\\(\\), without the absolute value: the largest absolute difference is"),
+    (onnx_first_image_only, "the difference on the first image alone, not the largest over the example and its first image"),
+    (onnx_squared, "the largest squared difference: the largest absolute difference is"),
+    (onnx_reference_before_eval, "ran the model in train mode, which updated its batch-norm statistics \\(norm.running_mean"),
+    (onnx_probabilities, "the largest difference of the probabilities \\(a softmax of the outputs\\), not of the outputs"),
+    (onnx_asserts_close, "raised AssertionError: Tensor-likes are not close!.*your file is right.*default tolerances"),
     (onnx_axes_quietly, "used the old dynamic_axes spelling.*dynamic_shapes"),
     (onnx_legacy_quietly, "legacy TorchScript-based exporter \\(dynamo=False\\)"),
     (onnx_example_only, "ran ONNX Runtime on batches of \\[5\\] only: compare on a batch of 1"),
-    (onnx_relative, "a relative difference; return the largest absolute one"),
+    (onnx_relative, "a relative difference[;,] .*largest absolute"),
     (onnx_static, "batch dimension is fixed at 5.*dynamic_shapes"),
     (onnx_dynamic_axes, "used the old dynamic_axes spelling.*dynamic_shapes"),
     (onnx_legacy, "legacy TorchScript-based exporter \\(dynamo=False\\)"),
@@ -775,8 +904,8 @@ ONNX_WRONG = [
     (onnx_feeds_float64, "raised InvalidArgument.*the file wants float32"),
     (onnx_dict_named_x, "raised .*name the argument as forward\\(\\) does, or pass dynamic_shapes as a tuple"),
     (onnx_compares_eager_with_eager, "never ran ONNX Runtime: open the file with onnxruntime.InferenceSession"),
-    (onnx_mean, "the mean absolute difference; return the largest"),
-    (onnx_compares_with_train_mode, "measured against the model in train mode.*put it in eval mode before comparing"),
+    (onnx_mean, "the mean absolute difference: the largest absolute difference is"),
+    (onnx_compares_with_train_mode, "ran the model in train mode, which updated its batch-norm statistics.*put it in eval mode"),
     (onnx_numpy_scalar, "returned a numpy.float32: return a Python float"),
     (onnx_tensor, "returned a tensor: return a Python float"),
     (lambda model, example, path: None, "wrote no file at path"),
