@@ -921,12 +921,12 @@ def _check_program(program, eager: nn.Module) -> None:
                                      "model.eval() before torch.export.export")
             raise ExerciseFailed(f"ship: your exported program's logits for tokens of shape ({n}, {t}) differ from the eval-mode "
                                  f"model's by up to {(got - want).abs().max():.2g}")
-    tokens = torch.randint(0, VOCAB_SIZE, (SHIP_MAX_BATCH, MAX_LEN), generator=g)
+    tokens = torch.randint(0, VOCAB_SIZE, (SHIP_MAX_BATCH, 2), generator=g)   # short: the batch's bound is what is tested
     try:
         with torch.inference_mode():
             run(tokens)
     except Exception as err:  # noqa: BLE001 -- the exported program's guards refuse the shape
-        raise ExerciseFailed(_shape_fault("exported program", SHIP_MAX_BATCH, MAX_LEN, err)) from None
+        raise ExerciseFailed(_shape_fault("exported program", SHIP_MAX_BATCH, 2, err)) from None
 
 
 @contextlib.contextmanager
