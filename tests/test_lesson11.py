@@ -153,6 +153,8 @@ DATA_WRONG = {
                             r"collate's targets are the inputs themselves: the target at each position is the token after it"),
     "padded to the longest possible": (edited("capstone_data", (INPUTS_LINE, "    inputs = torch.stack([torch.cat([s[:-1], torch.full((15 - len(s) + 1,), PAD)]) for s in batch])\n")),
                                        r"collate's inputs have shape \(5, 15\), expected \(5, 14\): pad to the longest sequence of the batch"),
+    "padded first, then shifted": (edited("capstone_data", (INPUTS_LINE, "    inputs = pad_sequence(batch, batch_first=True, padding_value=PAD)[:, :-1]\n")),
+                                   r"collate's inputs hold each shorter sequence's END \(12\) where its padding begins: drop every sequence's last token"),
     "changes the batch in place": (edited("capstone_data", (INPUTS_LINE, INPUTS_LINE + "    batch[0][0] = 7\n")),
                                    r"collate changed the sequences it was given: build new tensors"),
 }
@@ -248,7 +250,37 @@ MODEL_ALTERNATIVES = {
     ),
 }
 
+MODEL_ALTERNATIVES["GELU written out with erf, positions from the table's rows"] = edited(
+    "capstone_model",
+    (MLP_LINE, "        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), Gelu(), nn.Linear(4 * d_model, d_model))\n"),
+    ("class Block(nn.Module):", "class Gelu(nn.Module):\n    def forward(self, x):\n        return 0.5 * x * (1 + torch.erf(x / 2 ** 0.5))\n\n\nclass Block(nn.Module):"),
+    ("self.position(positions)", "self.position.weight[:tokens.shape[1]]"),
+)
+
+FORWARD_RETURN = "        return self.head(self.final_norm(self.blocks(x)))\n"
+BLOCK_ATTENTION = "        heads = self.qkv(self.attention_norm(x)).view(n, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)\n"
+
 MODEL_WRONG = {
+    "post-norm blocks": (edited("capstone_model", (BLOCK_ATTENTION, BLOCK_ATTENTION.replace("self.attention_norm(x)", "x")),
+                                ("        x = x + self.residual_dropout(self.out(mixed.transpose(1, 2).reshape(n, t, d)))\n"
+                                 "        return x + self.residual_dropout(self.mlp(self.mlp_norm(x)))\n",
+                                 "        x = self.attention_norm(x + self.residual_dropout(self.out(mixed.transpose(1, 2).reshape(n, t, d))))\n"
+                                 "        return self.mlp_norm(x + self.residual_dropout(self.mlp(x)))\n")),
+                         r"the first block computes attention before any LayerNorm: each block is pre-norm"),
+    "an MLP 2 * d_model wide": (edited("capstone_model", (MLP_LINE, MLP_LINE.replace("4 * d_model", "2 * d_model"))),
+                                r"TinyGPT\(d_model=24, n_heads=3, n_layers=2, dropout=0\.0\)'s MLP is 48 wide, expected 4 \* d_model = 96"),
+    "ReLU in the MLP": (edited("capstone_model", (MLP_LINE, MLP_LINE.replace("nn.GELU()", "nn.ReLU()"))),
+                        r"'s MLP uses ReLU, expected GELU"),
+    "a position table of fixed size": (edited("capstone_model", ("nn.Embedding(max_len, d_model)", "nn.Embedding(16, d_model)")),
+                                       r"has a table of 16 positions, expected a learned position embedding of max_len \(15\) positions"),
+    "one head, whatever n_heads": (edited("capstone_model", (BLOCK_ATTENTION, BLOCK_ATTENTION.replace("self.n_heads, d // self.n_heads", "1, d"))),
+                                   r"'s attention runs with 1 head\(s\), expected n_heads=3"),
+    "probabilities, not logits": (edited("capstone_model", (FORWARD_RETURN, FORWARD_RETURN.replace("(self.blocks(x)))", "(self.blocks(x))).softmax(-1)"))),
+                                  r"returned probabilities \(each row sums to 1\): return the head's logits"),
+    "no final LayerNorm": (edited("capstone_model", (FORWARD_RETURN, "        return self.head(self.blocks(x))\n")),
+                           r"ran 4 LayerNorms, expected 5: two in each of the 2 blocks"),
+    "every position vector added": (edited("capstone_model", ("self.position(positions)", "self.position.weight")),
+                                    r"returned shape \(1, 15, 14\), expected \(1, 1, 14\): does it add all 15 position vectors instead of the first 1\?"),
     "peeks at future tokens": (edited("capstone_model", (ATTENTION_LINE, ATTENTION_LINE.replace("is_causal=True", "is_causal=False"))),
                                r"^capstone_model: model: changing the tokens from position 1 on changed the output at position 0: it peeks at later tokens"),
     "a mask one position too wide": (edited("capstone_model", (ATTENTION_LINE,
@@ -334,7 +366,17 @@ DECODE_WRONG = {
     "no limit but END": (edited("capstone_decode", ("        for _ in range(max_new_tokens):\n", "        for _ in range(6):\n")),
                          r"returned \[\[7, 7, 7, 7, 7, 7\]\], expected \[\[7, 7, 7\]\]: stop after max_new_tokens tokens"),
     "the first position's logits": (edited("capstone_decode", (NEXT_LINE, NEXT_LINE.replace("[:, -1]", "[:, 0]"))),
-                                    r"the answer to 0\+0 is '________', expected '0'"),
+                                    r"the answer to 0\+0 is '________', expected '0': generate took the argmax at position 0 of the 10 prompt tokens"),
+    "model.eval() on a model that may be a function": (edited("capstone_decode", ("    answers = [[] for _ in range(len(prompts))]\n",
+                                                                                 "    model.eval()\n    answers = [[] for _ in range(len(prompts))]\n")),
+                                                       r"generate\(a plain function as the model, 2 prompts, 6\) raised AttributeError: .*only call it"),
+    "stops when the first row ends": (edited("capstone_decode", ("            if ended.all():\n", "            if ended.any():\n")),
+                                      r"the answer to 9999\+9999 is '89', expected '89991': it stopped before that row's END"),
+    "tokens kept after END": (edited("capstone_decode", ("            for row in (~ended).nonzero().flatten().tolist():\n",
+                                                         "            for row in range(len(prompts)):\n")),
+                              r"the answer to 0\+0 is '0_+', expected '0': the row goes on after the model's END"),
+    "answers turned most significant first": (edited("capstone_decode", ("    return answers\n", "    return [a[::-1] for a in answers]\n")),
+                                              r"the answer to 9999\+9999 is '19998': the digits are reversed"),
     "sampling instead of the argmax": (edited("capstone_decode", (NEXT_LINE, "            next_tokens = torch.multinomial(model(tokens)[:, -1].softmax(-1), 1)[:, 0]\n")),
                                        r"generate\(a TinyGPT with random weights, 9 prompts, 6\): prompt \d got .*, greedy decoding gives"),
     "writes into the prompts": (edited("capstone_decode", ("            tokens = torch.cat([tokens, next_tokens[:, None]], dim=1)\n",
@@ -345,7 +387,7 @@ DECODE_WRONG = {
                             r"returned a torch\.Tensor, expected a list of 7 lists of token ids"),
     "only the last token fed back": (edited("capstone_decode", ("            tokens = torch.cat([tokens, next_tokens[:, None]], dim=1)\n",
                                                                 "            tokens = next_tokens[:, None]\n")),
-                                     r"the answer to 0\+0 is '0_______', expected '0'"),
+                                     r"ran the model on fewer tokens than the prompt: feed it the prompt and the answer so far"),
 }
 
 
@@ -414,7 +456,23 @@ TRAIN_ALTERNATIVES = {
     ),
 }
 
+TRAIN_ALTERNATIVES["a cosine that reaches lr/10 at the last step"] = edited(
+    "capstone_train",
+    ("        if step < args.warmup:\n            return (step + 1) / args.warmup\n"
+     "        progress = (step - args.warmup) / (args.steps - args.warmup)\n",
+     "        if step < args.warmup:\n            return (step + 1) / args.warmup\n"
+     "        progress = (step + 1 - args.warmup) / (args.steps - args.warmup)\n"),
+)
+
 TRAIN_WRONG = {
+    "the rank's own loss saved": (edited("capstone_train", ("            dist.all_reduce(global_loss)\n", "")),
+                                  r"checkpoints: on 2 ranks, the loss saved for step 1 is [\d.]+, but the global batch's loss .* is [\d.]+"),
+    "a hard-coded seed": (edited("capstone_train", ("    torch.manual_seed(args.seed)\n", "    torch.manual_seed(0)\n")),
+                          r"training: the model started from the weights torch\.manual_seed\(0\) gives, not --seed \(7\)"),
+    "a sampler seeded with its default": (edited("capstone_train", (SAMPLER, "    sampler = DistributedSampler(dataset)\n")),
+                                          r"training: rank 0's DistributedSampler shuffles as one seeded with 0, not with --seed \(7\)"),
+    "a clip of its own": (edited("capstone_train", (CLIP, CLIP.replace("args.clip", "1.0"))),
+                          r"training: the gradient's norm reached 1 at \d+ optimizer steps and never more: it is clipped to 1, not to --clip \(0\.05\)"),
     "a missing set_epoch": (edited("capstone_train", (SET_EPOCH, "")),
                             r"^capstone_train: training: rank 0 read its problems in the same order in all 4 epochs: call sampler\.set_epoch"),
     "saving on every rank": (edited("capstone_train", (SAVE_IF, "                if True:\n                    folder.mkdir(parents=True, exist_ok=True)\n")),
@@ -561,7 +619,17 @@ SHIP_WRONG = {
     "a server that ignores max_batch": (edited("capstone_ship", (SERVE_LOOP, "    max_batch = len(requests)\n" + SERVE_LOOP)),
                                         r"serve: .* ran a forward pass on 11 requests: at most max_batch at once"),
     "answers written backwards": (edited("capstone_ship", (SERVE_APPEND, SERVE_APPEND.replace("reversed(tokens)", "tokens"))),
-                                  r"serve: the answer to '7\+5' is '21', expected '12'"),
+                                  r"serve: the answer to '7\+5' is '21', expected '12': the model writes the digits least significant first"),
+    "answers in another order": (edited("capstone_ship", (SERVE_LOOP, "    requests = sorted(requests, key=len)\n" + SERVE_LOOP)),
+                                 r"serve: .* returned the right sums in another order .*: answer in the order of the requests"),
+    "a batch of at most 64": (edited("capstone_ship", (DIMS, DIMS.replace("max=1024", "max=64"))),
+                              r"ship: your exported program refuses tokens of shape \(1024, 2\) .*tokens\.size\(\)\[0\] <= 64"),
+    "an example batch of 1": (edited("capstone_ship", (EXAMPLE, "    example = torch.zeros(1, 3, dtype=torch.long)\n")),
+                              r"export_program\(model\) raised UserError: Constraints violated .*: export from an example of 2 or more"),
+    "the TorchScript exporter": (edited("capstone_ship", (ONNX, '    torch.onnx.export(model.eval(), (torch.zeros(2, 3, dtype=torch.long),), str(path), dynamo=False,\n'
+                                                               '                      input_names=["tokens"], output_names=["logits"],\n'
+                                                               '                      dynamic_axes={"tokens": {0: "n", 1: "t"}, "logits": {0: "n", 1: "t"}})\n')),
+                                 r"ship: export_onnx\(model, path, 6 prompts\) called torch\.onnx\.export\(\.\.\., dynamo=False\), the TorchScript exporter"),
     "answers as ints": (edited("capstone_ship", (SERVE_APPEND, '        answers += [int("".join(str(d) for d in reversed(t))) for t in generate(model, prompts, MAX_ANSWER)]\n')),
                         r"serve: the answer to '7\+5' is an int, expected a str such as '12'"),
     "an export specialised to batch 1": (edited("capstone_ship", (EXAMPLE, "    example = torch.zeros(1, 3, dtype=torch.long)\n"),
