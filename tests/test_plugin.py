@@ -30,7 +30,7 @@ def run(pytester, *cells, flags=()):
     nb.cells = list(cells)
     nbformat.write(nb, pytester.path / "nb.ipynb")
     result = pytester.runpytest_subprocess(
-        "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider", "-v", "-rs",
+        "-p", "course_utils.tooling.lean_imports", "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider", "-v", "-rs",
         "--course-report", "r.json", *flags, "nb.ipynb",
     )
     report = json.loads((pytester.path / "r.json").read_text())
@@ -170,7 +170,8 @@ def answer(nb, name: str, body: str) -> None:
 def run_lesson(pytester, nb, *flags):
     nbformat.write(nb, pytester.path / "mine.ipynb")
     result = pytester.runpytest_subprocess(
-        "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider", "-v", "--course-report", "r.json", *flags, "mine.ipynb",
+        "-p", "course_utils.tooling.lean_imports", "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider", "-v",
+        "--course-report", "r.json", *flags, "mine.ipynb",
     )
     return result, exercises(json.loads((pytester.path / "r.json").read_text()))
 
