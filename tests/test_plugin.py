@@ -1,6 +1,8 @@
 """course_utils.tooling.pytest_plugin, end to end: nbval runs tiny notebooks in a subprocess with the plugin loaded."""
 
 import json
+import subprocess
+import sys
 import time
 
 import nbformat
@@ -28,7 +30,7 @@ def run(pytester, *cells, flags=()):
     nb.cells = list(cells)
     nbformat.write(nb, pytester.path / "nb.ipynb")
     result = pytester.runpytest_subprocess(
-        "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider", "-v", "-rs",
+        "-p", "course_utils.tooling.lean_imports", "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider", "-v", "-rs",
         "--course-report", "r.json", *flags, "nb.ipynb",
     )
     report = json.loads((pytester.path / "r.json").read_text())
@@ -168,7 +170,8 @@ def answer(nb, name: str, body: str) -> None:
 def run_lesson(pytester, nb, *flags):
     nbformat.write(nb, pytester.path / "mine.ipynb")
     result = pytester.runpytest_subprocess(
-        "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider", "-v", "--course-report", "r.json", *flags, "mine.ipynb",
+        "-p", "course_utils.tooling.lean_imports", "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider", "-v",
+        "--course-report", "r.json", *flags, "mine.ipynb",
     )
     return result, exercises(json.loads((pytester.path / "r.json").read_text()))
 
@@ -268,3 +271,28 @@ def test_an_earlier_version_of_a_lesson_is_told_to_reset(pytester):
     assert verdicts[gone]["reason"] == ("check cell missing: your notebook is an earlier version of lesson 00, and this exercise is new; "
                                        "`python -m course_utils reset 00` gives you the new version and keeps yours as a backup")
     result.stdout.fnmatch_lines([f"*check {old} (no longer in this lesson) SKIPPED*"])
+
+
+LEAK = new_code_cell("import subprocess\nsubprocess.run(['sh', '-c', 'setsid sleep 60 >/dev/null 2>&1 &'], check=True)")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's /proc and PR_SET_CHILD_SUBREAPER")
+def test_no_leftovers_fails_a_notebook_that_leaves_a_process(pytester):
+    """A process in a session of its own outlives the kernel: the notebook fails, naming it, and it is killed."""
+    result, _ = run(pytester, new_code_cell("x = 1"), LEAK, flags=("--course-no-leftovers",))
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*LeftoverProcesses: 1 process(es) outlived the notebook, and were killed: *sleep 60*"])
+    assert not [line for line in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+                if line.strip() == "sleep 60"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's /proc and PR_SET_CHILD_SUBREAPER")
+def test_no_leftovers_passes_a_notebook_whose_processes_end(pytester):
+    ended = new_code_cell("import subprocess\nsubprocess.run(['sh', '-c', 'setsid sleep 1 >/dev/null 2>&1 &'], check=True)")
+    result, _ = run(pytester, ended, flags=("--course-no-leftovers",))
+    result.assert_outcomes(passed=1)
+
+
+def test_without_the_flag_a_leftover_is_not_looked_for(pytester):
+    result, _ = run(pytester, new_code_cell("import subprocess\nsubprocess.run(['sh', '-c', 'setsid sleep 3 >/dev/null 2>&1 &'], check=True)"))
+    result.assert_outcomes(passed=1)

@@ -432,8 +432,8 @@ def checker(notebook: Path, workdir: Path) -> dict:
     copy = workdir / notebook.name
     shutil.copyfile(notebook, copy)
     report = workdir / "report.json"
-    argv = [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-q", "-p", "no:cacheprovider",
-            "--course-report", str(report), str(copy)]
+    argv = [sys.executable, "-m", "pytest", "-p", "course_utils.tooling.lean_imports", "--nbval-lax", "--nbval-current-env",
+            "-q", "-p", "no:cacheprovider", "--course-report", str(report), str(copy)]
     result = run(argv, workdir, env={"COURSE_CHECK_MODE": "1"}, timeout=400)
     assert report.exists(), result.stdout[-3000:] + result.stderr[-3000:]
     (notebook_report,) = json.loads(report.read_text()).values()

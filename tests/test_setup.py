@@ -85,3 +85,23 @@ def test_another_build_than_the_venvs_needs_a_clean_venv_and_an_unknown_one_is_r
     assert run.returncode != 0
     assert "error: TORCH=gpu: give TORCH=pypi (PyPI's PyTorch) or TORCH=cpu (PyTorch's CPU-only wheels)" in run.stdout
     assert not (tmp_path / "w").exists()  # refused before a venv was made
+
+
+def test_make_test_runs_every_lesson_strictly_in_a_process_per_core_and_fails_one_that_leaves_a_process(tmp_path):
+    venv = tmp_path / "v"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(shutil.which("python3") or "/usr/bin/python3")
+    (venv / ".torch").write_text("pypi\n")
+    later = time.time() + 60
+    for stamp in (venv / ".installed", venv / ".installed-test"):
+        stamp.touch()
+        os.utime(stamp, (later, later))
+    run = make("-n", "test", venv=venv)
+    assert run.returncode == 0, run.stderr
+    (command,) = [line for line in run.stdout.splitlines() if " -m pytest " in line]
+    for part in ("tests notebooks/solutions", "--nbval ", "--course-strict-warnings", "--course-no-leftovers", "--dist loadfile"):
+        assert part in command, command
+    jobs = int(re.search(r" -n (\d+) ", command).group(1))
+    assert 1 <= jobs <= min(4, os.cpu_count() or 1)
+    (one_by_one,) = [line for line in make("-n", "test", "TEST_JOBS=0", venv=venv).stdout.splitlines() if " -m pytest " in line]
+    assert " -n " not in one_by_one and "--dist" not in one_by_one

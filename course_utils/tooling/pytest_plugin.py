@@ -20,7 +20,9 @@ What it adds to an nbval run:
   (checkcell.publish, with a nonce this plugin put into the cell): a check cell that merely did
   not raise, because the checker was patched or bypassed, fails;
 - nbval's tags and comment markers (raises-exception, skip, NBVAL_RAISES_EXCEPTION...) on an
-  exercise's cells are ignored: the course's checks run as the course defines them.
+  exercise's cells are ignored: the course's checks run as the course defines them;
+- `--course-no-leftovers` (Linux) fails a notebook that leaves a process running once its kernel has
+  stopped: a DDP rank, a server, a worker in a session of its own. `make test` runs every lesson so.
 """
 
 import glob
@@ -35,6 +37,7 @@ from queue import Empty
 
 import pytest
 
+from course_utils.tooling import leftovers
 from course_utils.tooling.cellruns import PREFIX as CELL_FAILED, message_from_output
 from course_utils.tooling.verdicts import SYMBOL
 from course_utils.tooling.layout import CourseError, exercises, lesson_of
@@ -64,6 +67,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--course-exercise-timeout", type=float, default=30, metavar="S",
                     help="time limit of one exercise or check cell, in seconds (default 30)")
+    group.addoption("--course-no-leftovers", action="store_true",
+                    help="fail a notebook that leaves a process running after its kernel stops (Linux)")
     group.addoption("--course-cell-timeout", type=float, default=600, metavar="S",
                     help="time limit of any other notebook cell, in seconds (default 600)")
 
@@ -339,6 +344,8 @@ def _prepare_notebook(nbfile, cells: list[pytest.Item]) -> list[pytest.Item]:
             record["exercises"][ex.name] = {"status": "failed", "reason": reason}
             missing.append(MissingCheck.from_parent(nbfile, name=f"check {ex.name} (cell missing)", exercise=ex.name, check_source=ex.check_source))
     _start_kernels_with_prelude(nbfile)
+    if nbfile.config.getoption("course_no_leftovers", False):
+        _fail_on_leftovers(nbfile)
     return missing
 
 
@@ -353,6 +360,33 @@ def _start_kernels_with_prelude(nbfile) -> None:
         kernel.await_idle(msg_id, timeout=30)
 
     nbfile.setup = setup
+
+
+class LeftoverProcesses(Exception):
+    """Processes that the notebook started were still running after its kernel stopped."""
+
+
+def _fail_on_leftovers(nbfile) -> None:
+    """Adopt the notebook's orphans while it runs; once its kernel has stopped, fail it if any still run, and kill them."""
+    original_setup, original_teardown = nbfile.setup, nbfile.teardown
+
+    def setup():
+        # A rank or a server that starts a session of its own would otherwise be re-parented to init, out of sight.
+        nbfile.course_before = set(leftovers.children()) if leftovers.adopt_orphans(True) else None
+        original_setup()
+
+    def teardown():
+        try:
+            original_teardown()
+        finally:
+            before = getattr(nbfile, "course_before", None)
+            left = leftovers.survivors(before) if before is not None else {}
+            leftovers.adopt_orphans(False)
+        if left:
+            listing = "; ".join(f"{pid}: {command}" for pid, command in sorted(left.items()))
+            raise LeftoverProcesses(f"{len(left)} process(es) outlived the notebook, and were killed: {listing}")
+
+    nbfile.setup, nbfile.teardown = setup, teardown
 
 
 def _limit(item: pytest.Item) -> float:

@@ -170,8 +170,8 @@ def run_checker(notebooks: list[Path], *, exercise_timeout: float | None = None,
         read_end, write_end = os.pipe()
         reader = read_all(read_end)
         command = [
-            sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-q", "-p", "no:cacheprovider",
-            "--no-header", "-rN", "--tb=no", "--course-report", f"/dev/fd/{write_end}",
+            sys.executable, "-m", "pytest", "-p", "course_utils.tooling.lean_imports", "--nbval-lax", "--nbval-current-env",
+            "-q", "-p", "no:cacheprovider", "--no-header", "-rN", "--tb=no", "--course-report", f"/dev/fd/{write_end}",
         ]
         if exercise_timeout is not None:
             command.append(f"--course-exercise-timeout={exercise_timeout:g}")

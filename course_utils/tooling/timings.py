@@ -36,7 +36,7 @@ def wall_time(command: list[str], env: dict | None = None) -> tuple[float, int]:
 
 
 def _nbval_command(notebook: Path) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval", "--nbval-current-env",
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "course_utils.tooling.lean_imports", "--nbval", "--nbval-current-env",
             "--course-strict-warnings", str(notebook)]
 
 
