@@ -1,13 +1,12 @@
 """Lesson 11 (the capstone): each check against the notebook's own five files, files written differently that must
 pass, typical wrong ones that must fail with their fault named, the untouched skeletons, bad arguments, and no process
-left behind by the checks or by the learner's copy of the notebook.
+left behind by the launches or the checks (the notebook itself: `make test` runs it with --course-no-leftovers).
 
 Speed: the training-script checks share one rank server (the check starts its own; here a shared one stands in for
 it, with the same contract), and the checks that export to ONNX are run in full only where the ONNX stage is what is
 tested; `test_the_real_checks_on_the_notebooks_files` runs every check as the checker does, once.
 """
 
-import json
 import subprocess
 import sys
 import time
@@ -813,40 +812,3 @@ def test_hostile_answers_are_one_line_and_the_learners(name, body, tmp_path):
     verdict = CHECKS[name].verdict(project(tmp_path, **{name: _hostile(name, body)}) / f"{name}.py")
     assert verdict.status == "failed", verdict
     assert "checker itself failed" not in verdict.reason and "\n" not in verdict.reason, verdict.reason
-
-
-# And the solution notebook itself, run under nbval as `make test` runs it: when nbval exits, none of the processes
-# the notebook started (the training launch, the checks' rank servers) may remain.
-
-NOTEBOOK_SCENARIO = r'''
-import json, subprocess, sys, time
-from course_utils.distributed import process_status
-from course_utils.tooling.runner import become_subreaper, descendants
-
-assert become_subreaper()
-run = subprocess.run([sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env", "-p", "no:cacheprovider", "-q", sys.argv[1]],
-                     capture_output=True, text=True, timeout=540)
-deadline = time.monotonic() + 5  # a rank that is exiting gets a few seconds
-while True:
-    left = [pid for pid in descendants() if (status := process_status(pid)) and status[1] != "Z"]
-    if not left or time.monotonic() > deadline:
-        break
-    time.sleep(0.2)
-commands = {pid: open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")[:100] for pid in left}
-for pid in left:
-    try:
-        __import__("os").kill(pid, 9)
-    except ProcessLookupError:
-        pass
-print(json.dumps({"returncode": run.returncode, "output": run.stdout[-3000:], "left": commands}))
-'''
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's /proc and PR_SET_CHILD_SUBREAPER")
-def test_no_process_survives_the_notebook(tmp_path):
-    result = subprocess.run([sys.executable, "-c", NOTEBOOK_SCENARIO, str(NOTEBOOK)], capture_output=True, text=True,
-                            timeout=600, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["returncode"] == 0, report["output"]
-    assert report["left"] == {}, f"processes outlived the notebook: {report['left']}"
