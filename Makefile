@@ -81,7 +81,7 @@ lab: check-python $(STAMP)
 	$(PY) -m course_utils lab $(LAB_ARGS)
 
 # Unit tests (tests/test_notebooks.py also runs the learner copies: every check
-# must say "not attempted" and nothing else may fail), then the solution notebooks
+# must say "not attempted" and nothing else may fail), and the solution notebooks
 # under strict nbval: every check passes, deterministic outputs compared, no
 # DeprecationWarning or FutureWarning printed, and no process left running once a lesson's kernel stops.
 # The tests run in TEST_JOBS processes (pytest-xdist; default: one per CPU core, at most 4), a file at a time
