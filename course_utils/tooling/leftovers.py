@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from course_utils.distributed import process_status as _status
+
 PR_SET_CHILD_SUBREAPER = 36  # from <linux/prctl.h>
 
 
@@ -21,15 +23,6 @@ def adopt_orphans(on: bool) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
-
-
-def _status(pid: int) -> tuple[int, str] | None:
-    """(parent pid, state letter, 'Z' for an exited zombie), or None if the process is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[1]), fields[0]
 
 
 def _command(pid: int) -> str:
