@@ -22,14 +22,14 @@ import os
 import random
 import runpy
 import signal
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from course_utils import rank_server
 
 PROBE_ENV = "COURSE_CAPSTONE_PROBE"
 RANK_COMMAND = "from course_utils.capstone_probe import run_rank; run_rank()"
@@ -244,7 +244,7 @@ def _error_record(err: BaseException, script: str) -> dict:
 
 
 def run_rank() -> None:
-    """One rank of a script run by lesson 11's check: `python -c RANK_COMMAND script args...`, the probe in place."""
+    """One rank of a script run by lesson 11's check (sys.argv: -c, the script, its arguments), the probe in place."""
     script, *args = sys.argv[1:]
     folder = Path(os.environ[PROBE_ENV])
     settings = json.loads((folder / "probe.json").read_text())
@@ -270,11 +270,7 @@ def run_rank() -> None:
     os._exit(code)  # no interpreter shutdown: the process group may be left in any state
 
 
-# Starting the ranks: a server that imports torch once and forks every rank of every run from there, since a
-# fresh interpreter per rank (torchrun's way) pays its imports each time: seconds per rank on a 2-core machine.
-
-SERVER_COMMAND = "from course_utils.capstone_probe import rank_server; rank_server()"
-
+# Starting the ranks: course_utils.rank_server forks every rank of every run from one process that imported torch.
 
 @dataclass
 class RankRun:
@@ -288,146 +284,17 @@ class RankRun:
     stopped: bool
 
 
-def _become_rank(job: dict, rank: int, server: int) -> None:
-    """In a forked child of the server: become rank `rank` of the job (environment, folder, output files), then run it."""
-    import ctypes
-
-    os.setpgid(0, 0)  # a process group of its own: whatever the rank starts is stopped with it
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG: die with the server
-    if os.getppid() != server:
-        os._exit(1)
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_DFL)
-    folder = Path(job["folder"])
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)  # the server's commands are not the rank's
-    for fd, name in ((1, f"rank{rank}.out"), (2, f"rank{rank}.err")):
-        os.dup2(os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-    sys.stdout.reconfigure(line_buffering=True)
-    os.environ.update(job["env"])
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)})
-    os.chdir(job["cwd"])
-    sys.argv = ["-c", job["script"], *job["args"]]
-    run_rank()  # ends the process
-
-
-def _run_job(job: dict) -> dict:
-    """Fork the job's ranks, wait for them, stop any still running `grace` s after another ended or after `timeout` s."""
-    pids = []
-    for rank in range(job["world_size"]):
-        sys.stdout.flush()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                _become_rank(job, rank, os.getppid())
-            finally:
-                os._exit(1)
-        pids.append(pid)
-    codes: dict[int, int] = {}
-    stopped: set[int] = set()
-    start, first_end = time.monotonic(), None
-    while len(codes) < len(pids):
-        for rank, pid in enumerate(pids):
-            if rank not in codes:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    codes[rank] = os.waitstatus_to_exitcode(status)
-        now = time.monotonic()
-        if first_end is None and codes:
-            first_end = now
-        if len(codes) < len(pids) and (now - start > job["timeout"] or (first_end is not None and now - first_end > job["grace"])):
-            for rank, pid in enumerate(pids):
-                if rank not in codes:
-                    stopped.add(rank)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-            for rank, pid in enumerate(pids):
-                if rank not in codes:
-                    codes[rank] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        time.sleep(0.01)
-    for pid in pids:  # whatever a rank started goes with it
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-    return {"returncodes": [codes[r] for r in range(len(pids))], "stopped": sorted(stopped)}
-
-
-def rank_server() -> None:
-    """Import what every rank needs, once; then, for each job read on stdin (a JSON line), fork its ranks and answer
-    with their exit codes (a JSON line on stdout). Ends when stdin closes."""
-    import numpy  # noqa: F401 -- imported here once, for every rank forked below
-    import torch._dynamo  # noqa: F401 -- DistributedDataParallel imports it: the most costly import of a rank
-    import torch.distributed  # noqa: F401
-    import torch.nn.parallel  # noqa: F401
-    import torch.utils.data  # noqa: F401
-
-    from course_utils import addition, training  # noqa: F401
-    from course_utils.tooling import checks  # noqa: F401
-
-    out = sys.stdout
-    out.write("ready\n")
-    out.flush()
-    for line in sys.stdin:
-        out.write(json.dumps(_run_job(json.loads(line))) + "\n")
-        out.flush()
-
-
-@contextlib.contextmanager
-def _signals_held():
-    """Hold SIGALRM and SIGUSR2 (the checks' time limit) and SIGINT until the block ends; they are delivered then."""
-    held = {signal.SIGALRM, signal.SIGUSR2, signal.SIGINT}
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held) if main else None
-    try:
-        yield
-    finally:
-        if main:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-class RankServer:
-    """The kernel's end of rank_server: start it, launch runs through it, stop it (a context manager)."""
-
-    def __init__(self, start_timeout: float = 120.0):
-        from course_utils.distributed import CHILD_ENV
-        from course_utils.tooling.runner import guarded
-
-        self.process = subprocess.Popen(guarded([sys.executable, "-c", SERVER_COMMAND]), stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                        env={**os.environ, **CHILD_ENV, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-        if self._answer(start_timeout) != "ready":
-            self.close()
-            raise RuntimeError("the rank server did not start")
-
-    def _answer(self, timeout: float) -> str | None:
-        import select
-
-        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
-        if not ready:
-            return None
-        line = self.process.stdout.readline()
-        return line.strip() if line else None
+class RankServer(rank_server.RankServer):
+    """A rank server that launches lesson 11's runs, each rank under this module's probe."""
 
     def launch(self, script: Path, args: list[str], folder: Path, *, world_size: int = 2, problems=None,
                kill_at: int | None = None, timeout: float = 20.0, grace: float = 5.0, cwd: Path | None = None) -> list[RankRun]:
         """Run `world_size` ranks of the script as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment),
         each under the probe, its record in `folder`."""
-        from course_utils.distributed import free_port
-
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "probe.json").write_text(json.dumps({"problems": problems, "kill_at": kill_at}))
-        env = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
-               "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(free_port()), "TORCHELASTIC_RUN_ID": "lesson11-check", "TORCHELASTIC_RESTART_COUNT": "0",
-               "TORCHELASTIC_MAX_RESTARTS": "0", PROBE_ENV: str(folder)}
-        job = {"script": str(script), "args": list(args), "folder": str(folder), "cwd": str(cwd or folder), "env": env,
-               "world_size": world_size, "timeout": timeout, "grace": grace}
-        self.process.stdin.write(json.dumps(job) + "\n")
-        self.process.stdin.flush()
-        answer = self._answer(timeout + grace + 30)
-        if answer is None:
-            self.close()
-            raise RuntimeError("the rank server stopped answering")
-        result = json.loads(answer)
+        env = {"TORCHELASTIC_RUN_ID": "lesson11-check", PROBE_ENV: str(folder)}
+        result = self.run(__name__, script, args, folder, env, world_size=world_size, timeout=timeout, grace=grace, cwd=cwd)
         runs = []
         for rank in range(world_size):
             path = folder / f"rank{rank}.pt"
@@ -435,20 +302,3 @@ class RankServer:
             texts = [(folder / f"rank{rank}.{kind}").read_text(errors="replace") for kind in ("out", "err")]
             runs.append(RankRun(rank, result["returncodes"][rank], texts[0], texts[1], record, rank in result["stopped"]))
         return runs
-
-    def close(self) -> None:
-        """Stop the server and every rank it runs (they die with it), whatever interrupts this."""
-        with _signals_held():  # a check's time limit raises again and again once past: it must not cut this short
-            with contextlib.suppress(OSError, ValueError):
-                self.process.stdin.close()
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-            with contextlib.suppress(OSError, ValueError):
-                self.process.stdout.close()
-
-    def __enter__(self) -> "RankServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -3,14 +3,12 @@ follow that script on each rank; and run_script, which starts the script's ranks
 
 They live outside course_utils/lesson09.py because the checker judges with a fresh copy of that
 module: a class defined there (Block) would be another class than the one the notebook sees.
-The probe is off unless run_script starts the rank with RANK_COMMAND.
+The probe is off unless the rank was started by run_script (a fork of course_utils.rank_server) or with RANK_COMMAND.
 """
 
 import contextlib
 import os
 import runpy
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -189,7 +187,7 @@ def _error_record(err: BaseException, script: str) -> dict:
 
 
 def run_rank() -> None:
-    """One rank of a script run by lesson 09's check: `python -c RANK_COMMAND script args...`, the probe in place."""
+    """One rank of a script run by lesson 09's check (sys.argv: -c, the script, its arguments), the probe in place."""
     global _PROBE
     script, *args = sys.argv[1:]
     folder = os.environ[PROBE_ENV]
@@ -213,6 +211,7 @@ def run_rank() -> None:
     record = {**_PROBE.result(), "error": error}
     _PROBE.real_save(record, os.path.join(folder, f"rank{_PROBE.rank}.pt"))
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)  # no interpreter shutdown: the process group may be left in any state
 
 
@@ -235,79 +234,23 @@ class RankRun:
 
 
 def run_script(script: Path, args: list[str], folder: Path, world_size: int = 2, timeout: float = 20.0,
-               grace: float = 6.0) -> list[RankRun]:
+               grace: float = 6.0, server=None) -> list[RankRun]:
     """Start `world_size` ranks of a script as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment),
-    each recorded by course_utils.ddp_models' probe; kill any rank still running `grace` s after another ended, or after `timeout` s."""
-    from course_utils.distributed import CHILD_ENV, free_port
-    from course_utils.tooling.runner import guarded
+    each recorded by this module's probe; kill any rank still running `grace` s after another ended, or after `timeout` s.
 
-    port = free_port()
-    base = {**os.environ, **CHILD_ENV, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
-            "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "lesson09-check",
-            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "PYTHONUNBUFFERED": "1",
-            PROBE_ENV: str(folder)}
-    procs, files, left = [], [], []
-    try:
-        for rank in range(world_size):
-            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
-            out, err = open(folder / f"rank{rank}.out", "w+"), open(folder / f"rank{rank}.err", "w+")
-            files += [out, err]
-            group = {"process_group": 0 if rank == 0 else procs[0].pid}  # one process group: one killpg stops all
-            procs.append(subprocess.Popen(guarded([sys.executable, "-c", RANK_COMMAND, str(script), *args]),
-                                          stdout=out, stderr=err, env=env, cwd=folder, **group))
-        start, first_end, killed = time.monotonic(), None, set()
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if first_end is None and any(p.poll() is not None for p in procs):
-                first_end = now
-            if now - start > timeout or (first_end is not None and now - first_end > grace):
-                for rank, p in enumerate(procs):
-                    if p.poll() is None:
-                        killed.add(rank)
-                        p.kill()
-                break
-            time.sleep(0.05)
-        for p in procs:
-            p.wait()
-        left = _group_members(procs[0].pid)  # the ranks have ended: whatever is left in their process group, they started
-    finally:
-        if procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(procs[0].pid, signal.SIGKILL)  # never leave a rank, or anything it started, behind
-        for p in procs:
-            p.wait()
-        texts = []
-        for f in files:
-            f.seek(0)
-            texts.append(f.read())
-            f.close()
+    The ranks are forked by `server` (a course_utils.rank_server.RankServer), or by one started and stopped here."""
+    from course_utils.rank_server import RankServer
+
+    with contextlib.ExitStack() as stack:
+        if server is None:
+            server = stack.enter_context(RankServer())
+        env = {"TORCHELASTIC_RUN_ID": "lesson09-check", PROBE_ENV: str(folder)}
+        result = server.run(__name__, script, args, folder, env, world_size=world_size, timeout=timeout, grace=grace)
     runs = []
-    for rank, p in enumerate(procs):
+    for rank in range(world_size):
         path = folder / f"rank{rank}.pt"
         record = torch.load(path, weights_only=True) if path.exists() else None
-        runs.append(RankRun(rank, p.returncode, texts[2 * rank], texts[2 * rank + 1], record, rank in killed, left))
+        texts = [(folder / f"rank{rank}.{kind}").read_text(errors="replace") for kind in ("out", "err")]
+        runs.append(RankRun(rank, result["returncodes"][rank], texts[0], texts[1], record, rank in result["stopped"],
+                            result["left"]))
     return runs
-
-
-def _group_members(pgid: int) -> list[str]:
-    """The command lines of the living processes in a process group (Linux /proc; elsewhere none)."""
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                argv = _command_line(entry)
-                # the program's name, not its path: a message reads the same in any checkout
-                found.append(" ".join([Path(argv[0]).name, *argv[1:]]))
-    return found
-
-
-def _command_line(entry: Path) -> list[str]:
-    """A process's argv from /proc; a process in the middle of exec shows an empty one for a moment, so wait it out."""
-    for _ in range(20):
-        raw = (entry / "cmdline").read_bytes()
-        if raw:
-            break
-        time.sleep(0.05)
-    return raw.decode(errors="replace").rstrip("\0").split("\0")

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -983,19 +984,22 @@ def _judge_training(runs: list[RankRun], out: Path) -> None:
 
 @exercise("ddp_digits")
 def check_ddp_digits(script) -> None:
+    from course_utils.rank_server import RankServer
     from course_utils.tooling.checks import exercise_seconds
 
     path = _expect_script(script).resolve()
-    timeout, grace = max(5.0, exercise_seconds() - 5), 6.0  # leave the check time to judge
-    with tempfile.TemporaryDirectory(prefix="lesson09-check-") as tmp:
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="lesson09-check-") as tmp, RankServer() as server:
+        # the ranks get what the server's start left of the check's time, less 5 s to judge
+        timeout, grace = max(5.0, round(exercise_seconds() - 5 - (time.monotonic() - started))), 6.0
         folder = Path(tmp)
         out = folder / "trained.pt"
         args = ["--epochs", str(_SCRIPT_EPOCHS), "--batch-size", str(_SCRIPT_BATCH), "--lr", str(_SCRIPT_LR),
                 "--out", str(out)]
-        runs = run_script(path, args, folder, timeout=timeout, grace=grace)
+        runs = run_script(path, args, folder, timeout=timeout, grace=grace, server=server)
         if any(run.record and run.record.get("error") and "EADDRINUSE" in run.record["error"]["message"] for run in runs):
             for f in folder.iterdir():
                 f.unlink()
-            runs = run_script(path, args, folder, timeout=timeout, grace=grace)  # another program took the port
+            runs = run_script(path, args, folder, timeout=timeout, grace=grace, server=server)  # another program took the port
         _judge_launch(runs, path.name, timeout, grace)
         _judge_training(runs, out)

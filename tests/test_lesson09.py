@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_utils import lesson09 as L
+from course_utils import rank_server
 from course_utils.ddp_models import Block
 from course_utils.distributed import process_status
 from course_utils.simulated_ranks import SimulatedWorld
@@ -959,27 +960,49 @@ SCRIPT_WRONG = {
 }
 
 
+@pytest.fixture(scope="module")
+def shared_server():
+    """One rank server for the module's script checks: starting one costs the imports of torch, DDP and Dynamo."""
+    with rank_server.RankServer() as server:
+        yield server
+
+
+@pytest.fixture()
+def one_server(monkeypatch, shared_server):
+    """check_ddp_digits with the shared server in place of a new one (same class, same contract). The reference
+    script's test keeps the check's own server, started and stopped as in a learner's check."""
+
+    class Shared:
+        def __enter__(self):
+            return shared_server
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(rank_server, "RankServer", lambda: Shared())
+
+
 def test_the_reference_script_passes(tmp_path, capsys):
     L.check_ddp_digits(_write(tmp_path, REFERENCE_SCRIPT))
     assert capsys.readouterr().out.strip() == "PASS ddp_digits: all checks passed"
 
 
-def test_the_course_script_passes():
+def test_the_course_script_passes(one_server):
     assert_passes(L.check_ddp_digits, COURSE_SCRIPT)
 
 
 @pytest.mark.parametrize("name", list(SCRIPT_ALTERNATIVES))
-def test_correct_scripts_written_differently_pass(name, tmp_path):
+def test_correct_scripts_written_differently_pass(name, tmp_path, one_server):
     assert_passes(L.check_ddp_digits, _write(tmp_path, SCRIPT_ALTERNATIVES[name]))
 
 
 @pytest.mark.parametrize("name", list(SCRIPT_WRONG))
-def test_wrong_scripts_name_their_fault(name, tmp_path):
+def test_wrong_scripts_name_their_fault(name, tmp_path, one_server):
     text, message = SCRIPT_WRONG[name]
     assert_names_fault(L.check_ddp_digits, _write(tmp_path, text), message)
 
 
-def test_the_untouched_skeleton_is_not_attempted(tmp_path):
+def test_the_untouched_skeleton_is_not_attempted(tmp_path, one_server):
     """The learner copy's cell, as the build makes it: every rank dies on the stub line, which is 'not attempted'."""
     from course_utils.tooling.build import stub
 
@@ -1009,7 +1032,7 @@ def _living_descendants() -> list[int]:
     return [pid for pid in descendants() if (status := process_status(pid)) and status[1] != "Z"]
 
 
-def test_a_hanging_script_is_stopped_and_leaves_no_process(tmp_path, monkeypatch):
+def test_a_hanging_script_is_stopped_and_leaves_no_process(tmp_path, monkeypatch, one_server):
     """Rank 1 waits forever in a barrier that rank 0 never reaches (rank 0 sleeps): the check stops both ranks."""
     monkeypatch.setenv("COURSE_EXERCISE_SECONDS", "12")  # the ranks get 7 s of it
     hang = _script((RANK_ONE_FAILS, RANK_ONE_FAILS + "    if rank == 0:\n        import time\n        time.sleep(3600)\n"
@@ -1021,7 +1044,7 @@ def test_a_hanging_script_is_stopped_and_leaves_no_process(tmp_path, monkeypatch
     assert set(_living_descendants()) <= before
 
 
-def test_the_script_check_leaves_the_random_state_and_files_alone(tmp_path):
+def test_the_script_check_leaves_the_random_state_and_files_alone(tmp_path, one_server):
     path = _write(tmp_path, REFERENCE_SCRIPT)
     torch.manual_seed(7)
     expected = torch.rand(3)
