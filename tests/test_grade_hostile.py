@@ -17,9 +17,10 @@ two ways:
   killed or a report forged by forger.ipynb) changes that submission's rows, and the test fails.
 
 An attack is not graded alone as well: in a run of its own it has no classmate to reach, so its
-verdicts there are the ones the table fixes, and ten more runs (about 9 s of CPU each) would add
+verdicts there are the ones the table fixes, and eight more runs (about 8 s of CPU each) would add
 nothing to what the table proves.
 """
+
 import csv
 import hashlib
 import os
@@ -252,15 +253,15 @@ def hostile(tmp_path_factory):
     """The honest classmates graded alone, then the whole class together; returns both gradebooks and what was seen after."""
     folder, out = tmp_path_factory.mktemp("class"), tmp_path_factory.mktemp("out")
     write_class(folder, out)
-    lesson00 = course_root() / "course_utils" / "lesson00.py"
-    original = lesson00.read_bytes()
+    lesson00_file = course_root() / "course_utils" / "lesson00.py"
+    original = lesson00_file.read_bytes()
     before = course_files()
     try:
         alone = graded_alone(tmp_path_factory, folder)
         run = grade(folder, out)
     finally:
         changed = course_files() != before
-        lesson00.write_bytes(original)  # should the sandbox ever fail, the checkout is put right for the next tests
+        lesson00_file.write_bytes(original)  # should the sandbox ever fail, the checkout is put right for the next tests
     csv_right_after = (out / "grades.csv").read_bytes()
     time.sleep(4)  # the editor's process would write 3 s after grading ended
     assert run.returncode == 0, run.stdout + run.stderr
