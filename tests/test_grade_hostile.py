@@ -1,9 +1,24 @@
 """Grading a hostile class: each submission attacks the grader, the course or a classmate; none of it may work.
 
-Every attack runs inside one lesson-00 notebook, graded together with honest classmates in the
+Every attack runs inside one lesson-00 notebook, graded together with two honest classmates in the
 sandbox (course_utils.tooling.sandbox). For each the test asserts what the issue asks: the course's
-files are unchanged, every other submission's verdicts equal those from grading it alone, no
-process is left, nothing leaked into the gradebook, and no exercise passed that was not solved.
+files are unchanged, no process is left, nothing leaked into the gradebook, no exercise passed that
+was not solved, and every other submission is graded as if it were alone. That last one is checked
+two ways:
+
+- the honest classmates (ada.ipynb, who solved both exercises, and cy.ipynb, with a wrong add_one and
+  an untouched draw), the victims it protects, are also graded each in a run of its own; their rows
+  in the class run must equal those, status and reason;
+- each attacking submission's rows, status and reason per exercise, must equal what its own code
+  earns, written in expected_verdicts() from lesson 00's checks run in this process: an untouched
+  stub is "not attempted" with the check's stub reason, reader.ipynb's add_one fails with the
+  ValueError it raises when its sandbox shows it nothing to leak, and selfkill.ipynb's two rows are
+  the failure of a checker killed from inside. An attack that reached another submission (a checker
+  killed or a report forged by forger.ipynb) changes that submission's rows, and the test fails.
+
+An attack is not graded alone as well: in a run of its own it has no classmate to reach, so its
+verdicts there are the ones the table fixes, and eight more runs (about 8 s of CPU each) would add
+nothing to what the table proves.
 """
 
 import csv
@@ -17,6 +32,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from course_utils import lesson00
 from course_utils.tooling import sandbox
 from course_utils.tooling.layout import root as course_root
 from test_grade import learner, solved
@@ -26,6 +42,8 @@ pytestmark = pytest.mark.skipif(sandbox.bwrap_path() is None, reason="bubblewrap
 MARK = f"hostile-{os.getpid()}"  # in every attack's process names and files, so that leftovers can be found
 SECRET = f"instructor-token-{os.getpid()}"
 CLASSMATE_TEXT = f"classmate-answer-{os.getpid()}"
+HONEST = ("ada.ipynb", "cy.ipynb")  # the classmates the attacks must leave alone: graded alone too, to compare
+KILLED = "the checker was killed by SIGKILL while the notebook ran: the notebook's code stopped the checker"
 
 
 def with_cell(nb, code: str):
@@ -189,30 +207,61 @@ def write_class(folder: Path, out: Path) -> None:
 
 
 def graded_alone(tmp_path_factory, folder: Path) -> dict[str, dict[str, tuple[str, str]]]:
-    """Each submission of the class graded in a run of its own."""
+    """Each honest classmate graded in a run of its own."""
     alone = {}
-    for submission in sorted(folder.iterdir()):
+    for name in HONEST:
         single, out = tmp_path_factory.mktemp("alone"), tmp_path_factory.mktemp("alone-out")
-        (single / submission.name).write_bytes(submission.read_bytes())
+        (single / name).write_bytes((folder / name).read_bytes())
         assert grade(single, out).returncode == 0
         alone.update(read_rows(out)[0])
     return alone
 
 
+def expected_verdicts() -> dict[str, dict[str, tuple[str, str]]]:
+    """What each attacking submission must get, (status, reason) per exercise: lesson 00's checks run here on what its code amounts to."""
+
+    def add_one(x):  # as the learner copy hands it out
+        raise NotImplementedError()
+
+    def draw(seed, n):
+        raise NotImplementedError()
+
+    def leaking_add_one():
+        def add_one(x):  # reader.ipynb's, in a sandbox with no classmate's file, no gradebook folder and no secret
+            raise ValueError("LEAK FileNotFoundError | FileNotFoundError | no secret")
+        return add_one
+
+    def row(verdict) -> tuple[str, str]:
+        assert not verdict.passed  # "not attempted" and "failed" are the gradebook's words too ("passed" is "pass")
+        return verdict.status, verdict.reason
+
+    untouched = {"add_one": row(lesson00.check_add_one.verdict(add_one)), "draw": row(lesson00.check_draw.verdict(draw))}
+    return {
+        "rewrite.ipynb": untouched,
+        "forger.ipynb": untouched,
+        "selfkill.ipynb": {"add_one": ("failed", KILLED), "draw": ("failed", KILLED)},
+        "editor.ipynb": untouched,
+        "reader.ipynb": {**untouched, "add_one": row(lesson00.check_add_one.verdict(leaking_add_one()))},
+        "writer.ipynb": untouched,
+        "hopper.ipynb": untouched,
+        "tagger.ipynb": untouched,
+    }
+
+
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory):
-    """Every submission graded alone, then the whole class together; returns both gradebooks and what was seen after."""
+    """The honest classmates graded alone, then the whole class together; returns both gradebooks and what was seen after."""
     folder, out = tmp_path_factory.mktemp("class"), tmp_path_factory.mktemp("out")
     write_class(folder, out)
-    lesson00 = course_root() / "course_utils" / "lesson00.py"
-    original = lesson00.read_bytes()
+    lesson00_file = course_root() / "course_utils" / "lesson00.py"
+    original = lesson00_file.read_bytes()
     before = course_files()
     try:
         alone = graded_alone(tmp_path_factory, folder)
         run = grade(folder, out)
     finally:
         changed = course_files() != before
-        lesson00.write_bytes(original)  # should the sandbox ever fail, the checkout is put right for the next tests
+        lesson00_file.write_bytes(original)  # should the sandbox ever fail, the checkout is put right for the next tests
     csv_right_after = (out / "grades.csv").read_bytes()
     time.sleep(4)  # the editor's process would write 3 s after grading ended
     assert run.returncode == 0, run.stdout + run.stderr
@@ -227,8 +276,12 @@ def test_the_course_files_are_unchanged(hostile):
 
 
 def test_every_submission_is_graded_as_if_it_were_alone(hostile):
-    assert hostile["graded"] == hostile["alone"]
-    assert {s for s, _ in hostile["graded"]["ada.ipynb"].values()} == {"pass"}
+    graded, expected = hostile["graded"], expected_verdicts()
+    assert set(graded) == set(HONEST) | set(expected) == {p.name for p in hostile["folder"].glob("*.ipynb")}
+    assert {name: graded[name] for name in HONEST} == hostile["alone"]
+    assert {s for s, _ in graded["ada.ipynb"].values()} == {"pass"}
+    for name, verdicts in expected.items():
+        assert graded[name] == verdicts, name
 
 
 def test_no_fake_pass(hostile):
@@ -278,5 +331,5 @@ def test_a_forged_report_and_a_killed_checker_fail_and_are_flagged(hostile):
     assert [r["exercise"] for r in rows] == ["add_one", "draw"]
     for r in rows:
         assert r["status"] == "failed"
-        assert r["reason"] == "the checker was killed by SIGKILL while the notebook ran: the notebook's code stopped the checker"
+        assert r["reason"] == KILLED
         assert "the checker was killed from inside the submission" in r["review"]

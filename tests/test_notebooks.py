@@ -144,7 +144,7 @@ def _plain_env() -> dict:
 # test_learner_copies_fail_only_their_check_cells runs every learner copy, and test_no_demo_cell_calls_an_exercise
 # shows no demo depends on a learner's answer. What stays is how a check cell behaves in JupyterLab, the same
 # code in every lesson: run here on the first lesson, on the one whose checks start processes (09), and on
-# the capstone, whose exercises are files; tests/test_browser.py does it in a real JupyterLab for 00 and 01.
+# the capstone, whose exercises are files; tests/test_browser.py does it in a real JupyterLab for 01.
 RUN_ALL = [s for s in SOURCES if s.name[:2] in ("00", "09", "11")]
 
 
