@@ -1,7 +1,10 @@
 """Routes to fool the checker: each gives no pass, and is failed with its reason or named for review; honest code never is.
 
 The end-to-end test runs the real checker once over lesson 00's learner copy with one attack
-added per notebook (and over solved notebooks, which must pass with nothing to review);
+added per notebook, and over an honest answer written differently from the solution, which must
+pass with nothing to review. The solutions themselves are proven to pass with nothing to review by
+`make test`: its strict nbval runs every lesson's solution, and under --nbval the course's plugin
+fails a check that names a route for review (tests/test_plugin.py tests that rule).
 tamper.scan is unit-tested on snippets, on every solution notebook and every learner copy.
 """
 
@@ -340,26 +343,18 @@ def solved_differently():
     return answered(nb, "draw", "    with torch.random.fork_rng(devices=[]):\n        torch.manual_seed(seed)\n        return torch.randn(n)")
 
 
-# 04 returns torchvision's tv_tensors.Image (a library's tensor subclass) and 07 has torch.compile add
-# functions to the lesson module's globals: neither is the learner's doing.
-SOLVED_LESSONS = ("01", "04", "07")
-
-
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory):
-    """One run of the real checker over every attack and the honest notebooks: {name: the notebook's report}."""
+    """One run of the real checker over every attack and an honest notebook: {name: the notebook's report}."""
     from course_utils.tooling.runner import run_checker
 
     folder = tmp_path_factory.mktemp("attacks")
     notebooks = {name: nb for name, (nb, *_) in ATTACKS.items()}
-    notebooks["solved"] = nbformat.read(layout.source_for("00"), as_version=4)
+    # The solutions are not run here: make test's strict nbval runs all of them, and fails a check with a route.
     notebooks["solved differently"] = solved_differently()
-    for lesson in SOLVED_LESSONS:
-        notebooks[f"solved {lesson}"] = nbformat.read(layout.source_for(lesson), as_version=4)
     paths = {}
     for number, (name, nb) in enumerate(notebooks.items()):
-        lesson = name[-2:] if name[-2:] in SOLVED_LESSONS else "00"
-        path = folder / f"{number:02d}" / layout.source_for(lesson).name
+        path = folder / f"{number:02d}" / layout.source_for("00").name
         path.parent.mkdir()
         nbformat.write(nb, path)
         paths[name] = str(path.resolve())
@@ -397,9 +392,9 @@ def test_the_named_faults(checked):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["solved", "solved differently", *(f"solved {lesson}" for lesson in SOLVED_LESSONS)])
-def test_honest_notebooks_pass_with_nothing_to_review(checked, name):
-    result = checked[name]
+def test_an_honest_answer_written_differently_passes_with_nothing_to_review(checked):
+    """The solutions pass with nothing to review under make test's strict nbval (every lesson); this is another honest answer."""
+    result = checked["solved differently"]
     assert {v["status"] for v in result["exercises"].values()} == {"passed"}, result["exercises"]
     assert result["review"] == []
     assert result["stopped_at"] is None

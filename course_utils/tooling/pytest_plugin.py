@@ -19,6 +19,11 @@ What it adds to an nbval run:
 - a check passes only on the verdict record that the course's check published in its cell
   (checkcell.publish, with a nonce this plugin put into the cell): a check cell that merely did
   not raise, because the checker was patched or bypassed, fails;
+- under strict nbval (`--nbval`, as `make test` runs the solution copies), a check cell that names a route
+  to fool the checker for review (in its verdict record, or a forged record, or no verdict) fails with
+  "needs review under strict nbval: <route>": the course's own notebooks must give an instructor nothing
+  to look at. The learner's checker (`course_utils check`, `grade`, the autograder) runs `--nbval-lax`,
+  where a route is only named in the report;
 - nbval's tags and comment markers (raises-exception, skip, NBVAL_RAISES_EXCEPTION...) on an
   exercise's cells are ignored: the course's checks run as the course defines them;
 - `--course-no-leftovers` (Linux) fails a notebook that leaves a process running once its kernel has
@@ -532,23 +537,35 @@ def _kernel_did_not_start(item: pytest.Item, call: pytest.CallInfo) -> None:
 def _judge_by_record(item: pytest.Item, report: pytest.TestReport) -> None:
     """Let the check's verdict record decide: a pass needs one; a record that is not a pass fails the cell with its reason.
 
+    Under strict nbval, a pass whose cell names a route for review fails too, naming the routes.
+
     Sets item.course_record to (status, reason) when the cell must fail for it. Records without
     the cell's nonce, or for another exercise, were not published by the course's check.
     """
     records = [r for r in map(_record_of, item.test_outputs or []) if r is not None]
     genuine = [r for r in records if r.get("nonce") == item.course_nonce and r.get("exercise") == item.course_exercise]
-    for route in (r for g in genuine for r in g.get("review", []) if isinstance(r, str)):
-        _add_review(item, route)
+    routes = [r for g in genuine for r in g.get("review", []) if isinstance(r, str)]
     if len(genuine) < len(records):
-        _add_review(item, f"{FORGE}: a record the check did not publish ({item.course_exercise})")
+        routes.append(f"{FORGE}: a record the check did not publish ({item.course_exercise})")
     not_passed = [r for r in genuine if r.get("status") != "passed"]
     if not_passed:
         item.course_record = (str(not_passed[0].get("status")), str(not_passed[0].get("reason", "")))
     elif not genuine and report.passed:
-        _add_review(item, f"{NO_VERDICT}: {item.course_exercise}")
+        routes.append(f"{NO_VERDICT}: {item.course_exercise}")
         item.course_record = ("failed", "the check did not report a verdict: was the checker patched or bypassed?")
+    elif routes and _strict(item.config):
+        # The course's own notebooks must give an instructor nothing to look at: a route there is a fault of
+        # the notebook or a false positive of the detection, and either must fail `make test`.
+        item.course_record = ("failed", f"needs review under strict nbval: {'; '.join(dict.fromkeys(routes))}")
+    for route in routes:
+        _add_review(item, route)
     if getattr(item, "course_record", None) and report.passed:
         report.outcome = "failed"
+
+
+def _strict(config: pytest.Config) -> bool:
+    """Whether this is a strict nbval run (`--nbval`: outputs compared), as nbval decides it: `--nbval-lax` wins."""
+    return not config.getoption("nbval_lax", False)
 
 
 def _add_review(item: pytest.Item, route: str) -> None:
