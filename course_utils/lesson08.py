@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import gc
 import itertools
 import json
 import math
@@ -1554,6 +1555,25 @@ def check_memory_by_phase(fn) -> None:
     quiet_profiler()
     if _profiler_running():
         raise ExerciseFailed("a profiler is still running in this kernel, started by an earlier cell: stop it (prof.stop()) and run this check again")
+    with _no_garbage_collection():
+        _check_memory_by_phase(fn)
+
+
+@contextlib.contextmanager
+def _no_garbage_collection() -> Iterator[None]:
+    """Collect the garbage now, then none until the block ends: the profiler counts every tensor freed while it runs,
+    and a tensor of an earlier cell freed by the collector inside a phase would count as that phase's."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _check_memory_by_phase(fn) -> None:
     for label, steps in _memory_cases():
         expected, self_only = _profiled(_Phases(steps()).phases())
         hidden = _Phases(steps())
