@@ -145,3 +145,12 @@ def test_plot_pytorch_map_draws_one_box_per_part_with_its_lesson():
     for _, part, _, lesson in L.PYTORCH_MAP:
         assert part in texts and f"lesson {lesson}" in texts
     plt.close(fig)
+
+
+def test_the_map_is_not_drawn_while_the_checker_runs(monkeypatch):
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setenv("COURSE_CHECK_MODE", "1")
+    before = plt.get_fignums()
+    assert L.plot_pytorch_map() is None
+    assert plt.get_fignums() == before
