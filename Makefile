@@ -21,7 +21,7 @@ DOWNLOAD_cpu = with PyTorch's CPU-only build, 2.5 GB less to download than PyPI'
 # (As root, `course_utils lab` adds --allow-root itself: Jupyter refuses root without it.)
 LAB_ARGS ?=
 TEST_JOBS ?= $(shell n=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2); [ "$$n" -gt 4 ] && n=4; echo $$n)
-XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder)
+XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 GOAL := $(or $(firstword $(MAKECMDGOALS)),lab)
 
 .PHONY: lab test notebooks build lock clean-venv check-python
@@ -85,8 +85,7 @@ lab: check-python $(STAMP)
 # under strict nbval: every check passes, deterministic outputs compared, no
 # DeprecationWarning or FutureWarning printed, and no process left running once a lesson's kernel stops.
 # The tests run in TEST_JOBS processes (pytest-xdist; default: one per CPU core, at most 4), a file at a time
-# in each, so a notebook's cells stay in order in one kernel; the slowest files start first (tests/conftest.py).
-# TEST_JOBS=0 runs them in this process, one by one.
+# in each, so a notebook's cells stay in order in one kernel. TEST_JOBS=0 runs them in this process, one by one.
 test: check-python $(TEST_STAMP)
 	$(PY) -m pytest tests notebooks/solutions --nbval $(NBVAL) --course-strict-warnings --course-no-leftovers --durations=30 $(XDIST)
 

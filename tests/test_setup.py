@@ -99,7 +99,7 @@ def test_make_test_runs_every_lesson_strictly_in_a_process_per_core_and_fails_on
     run = make("-n", "test", venv=venv)
     assert run.returncode == 0, run.stderr
     (command,) = [line for line in run.stdout.splitlines() if " -m pytest " in line]
-    for part in ("tests notebooks/solutions", "--nbval ", "--course-strict-warnings", "--course-no-leftovers", "--dist loadfile", "--no-loadscope-reorder"):
+    for part in ("tests notebooks/solutions", "--nbval ", "--course-strict-warnings", "--course-no-leftovers", "--dist loadfile"):
         assert part in command, command
     jobs = int(re.search(r" -n (\d+) ", command).group(1))
     assert 1 <= jobs <= min(4, os.cpu_count() or 1)
