@@ -295,10 +295,5 @@ class RankServer(rank_server.RankServer):
         (folder / "probe.json").write_text(json.dumps({"problems": problems, "kill_at": kill_at}))
         env = {"TORCHELASTIC_RUN_ID": "lesson11-check", PROBE_ENV: str(folder)}
         result = self.run(__name__, script, args, folder, env, world_size=world_size, timeout=timeout, grace=grace, cwd=cwd)
-        runs = []
-        for rank in range(world_size):
-            path = folder / f"rank{rank}.pt"
-            record = torch.load(path, weights_only=True) if path.exists() else None
-            texts = [(folder / f"rank{rank}.{kind}").read_text(errors="replace") for kind in ("out", "err")]
-            runs.append(RankRun(rank, result["returncodes"][rank], texts[0], texts[1], record, rank in result["stopped"]))
-        return runs
+        return [RankRun(rank, result["returncodes"][rank], *rank_server.rank_files(folder, rank), rank in result["stopped"])
+                for rank in range(world_size)]

@@ -239,18 +239,12 @@ def run_script(script: Path, args: list[str], folder: Path, world_size: int = 2,
     each recorded by this module's probe; kill any rank still running `grace` s after another ended, or after `timeout` s.
 
     The ranks are forked by `server` (a course_utils.rank_server.RankServer), or by one started and stopped here."""
-    from course_utils.rank_server import RankServer
+    from course_utils.rank_server import RankServer, rank_files
 
     with contextlib.ExitStack() as stack:
         if server is None:
             server = stack.enter_context(RankServer())
         env = {"TORCHELASTIC_RUN_ID": "lesson09-check", PROBE_ENV: str(folder)}
         result = server.run(__name__, script, args, folder, env, world_size=world_size, timeout=timeout, grace=grace)
-    runs = []
-    for rank in range(world_size):
-        path = folder / f"rank{rank}.pt"
-        record = torch.load(path, weights_only=True) if path.exists() else None
-        texts = [(folder / f"rank{rank}.{kind}").read_text(errors="replace") for kind in ("out", "err")]
-        runs.append(RankRun(rank, result["returncodes"][rank], texts[0], texts[1], record, rank in result["stopped"],
-                            result["left"]))
-    return runs
+    return [RankRun(rank, result["returncodes"][rank], *rank_files(folder, rank), rank in result["stopped"], result["left"])
+            for rank in range(world_size)]

@@ -152,6 +152,16 @@ def _signals_held():
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def rank_files(folder: Path, rank: int) -> tuple[str, str, dict | None]:
+    """What a rank of a run left in its folder: its output, its errors, and its probe's record (None if it wrote none)."""
+    import torch
+
+    path = folder / f"rank{rank}.pt"
+    record = torch.load(path, weights_only=True) if path.exists() else None
+    out, err = ((folder / f"rank{rank}.{kind}").read_text(errors="replace") for kind in ("out", "err"))
+    return out, err, record
+
+
 class RankServer:
     """The kernel's end of rank_server: start it, launch runs through it, stop it (a context manager)."""
 

@@ -972,14 +972,7 @@ def one_server(monkeypatch, shared_server):
     """check_ddp_digits with the shared server in place of a new one (same class, same contract). The reference
     script's test keeps the check's own server, started and stopped as in a learner's check."""
 
-    class Shared:
-        def __enter__(self):
-            return shared_server
-
-        def __exit__(self, *exc):
-            return None
-
-    monkeypatch.setattr(rank_server, "RankServer", lambda: Shared())
+    monkeypatch.setattr(rank_server, "RankServer", lambda: contextlib.nullcontext(shared_server))
 
 
 def test_the_reference_script_passes(tmp_path, capsys):

@@ -7,6 +7,7 @@ it, with the same contract), and the checks that export to ONNX are run in full 
 tested; `test_the_real_checks_on_the_notebooks_files` runs every check as the checker does, once.
 """
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -66,14 +67,7 @@ def fast_train(monkeypatch, shared_server):
     """check_capstone_train with the shared server in place of a new one (same class, same contract), and a model that
     adds in place of the notebook's trained one (the accuracy stage only decodes with it; its own tests load real files)."""
 
-    class Shared:
-        def __enter__(self):
-            return shared_server
-
-        def __exit__(self, *exc):
-            return None
-
-    monkeypatch.setattr(capstone_probe, "RankServer", Shared)
+    monkeypatch.setattr(capstone_probe, "RankServer", lambda: contextlib.nullcontext(shared_server))
     monkeypatch.setattr(L, "_trained_model", lambda script: L.OracleAdder().eval())
 
 
