@@ -28,16 +28,25 @@ PROBES = ("course_utils.ddp_models", "course_utils.capstone_probe")  # the modul
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
-def group_members(pgid: int) -> list[str]:
-    """The command lines of the living processes in a process group (Linux /proc; elsewhere none)."""
+def _living_in_group(pgid: int) -> list[Path]:
+    """The /proc entries of the processes in a process group that have not exited (zombies excluded)."""
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                argv = command_line(entry)
-                # the program's name, not its path: a message reads the same in any checkout
-                found.append(" ".join([Path(argv[0]).name, *argv[1:]]))
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                found.append(entry)
+    return found
+
+
+def group_members(pgid: int) -> list[str]:
+    """The command lines of the living processes in a process group (Linux /proc; elsewhere none)."""
+    found = []
+    for entry in _living_in_group(pgid):
+        with contextlib.suppress(OSError, IndexError):
+            argv = command_line(entry)
+            # the program's name, not its path: a message reads the same in any checkout
+            found.append(" ".join([Path(argv[0]).name, *argv[1:]]))
     return found
 
 
@@ -114,6 +123,10 @@ def _run_job(job: dict) -> dict:
     for pid in pids:  # whatever a rank started goes with it
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
+    # SIGKILL is delivered asynchronously: answer only once they are gone, so "killed" is true when the caller reads it
+    deadline = time.monotonic() + 5.0
+    while any(_living_in_group(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return {"returncodes": [codes[r] for r in range(len(pids))], "stopped": sorted(stopped), "left": left}
 
 
