@@ -3,11 +3,11 @@
 One module fixture builds autograder-05.zip with the command, unpacks it into temporary folders
 laid out like Gradescope's /autograder (source/, submission/, results/, run_autograder), which
 run_autograder takes from COURSE_AUTOGRADER_ROOT (used by these tests only), and runs it once per
-submission: solved, untouched, half-solved and renamed (one notebook: `homework 5 (final).ipynb`,
-its lesson stamp removed), empty, missing, another lesson's notebook, a PDF, and a solved copy that
+submission: solved, half-solved and renamed (one notebook: `homework 5 (final).ipynb`, its lesson
+stamp removed, its other exercises untouched), empty, missing, another lesson's notebook, a PDF, and a solved copy that
 tries to write results.json and the course's files, in a bubblewrap sandbox and again with the
-privilege drop that serves where a container allows no sandbox. `grade` grades the untouched and
-the half-solved notebooks in the same fixture, to compare scores. Every results.json is checked against a JSON
+privilege drop that serves where a container allows no sandbox. `grade` grades the half-solved
+notebook in the same fixture, to compare scores. Every results.json is checked against a JSON
 Schema written here from Gradescope's published specification (gradescope-autograders.readthedocs.io,
 "Autograder Specifications", Output format).
 """
@@ -79,7 +79,7 @@ RESULTS_SCHEMA = {
 }
 # What this autograder promises beyond the specification: every exercise is a test with all five fields.
 OUR_TEST = {**TEST_CASE, "required": ["name", "score", "max_score", "status", "output"]}
-COMPARED = ("untouched", "half renamed")  # graded by `grade` too, in the same fixture
+COMPARED = ("half renamed",)  # graded by `grade` too, in the same fixture: it holds passes and untouched stubs
 LATE = f"course-autograder-late-writer-{os.getpid()}"  # in the command line of the hostile copies' late writers
 TOP_LEVEL = {"setup.sh", "run_autograder", "autograder.toml", "lessons.json", "pyproject.toml", "constraints.txt", "README.md", "LICENSE"}
 
@@ -212,7 +212,6 @@ def autograded(tmp_path_factory):
     nobody_venv = venv_reusing_packages(top / "nobody-venv", slow_python) if slow_python else None
     cases = {
         "solved": ({f"{source_for(LESSON).name}": notebook_bytes(solved(LESSON))}, None),
-        "untouched": ({f"{source_for(LESSON).name}": notebook_bytes(learner(LESSON))}, None),
         "half renamed": ({"homework 5 (final).ipynb": notebook_bytes(half_solved())}, None),
         "empty": ({f"{source_for(LESSON).name}": b""}, None),
         "missing": ({}, None),
@@ -346,15 +345,14 @@ def scores(data: dict) -> dict[str, tuple[float, str]]:
     return {t["name"]: (t["score"], t["output"]) for t in data["tests"]}
 
 
-def test_solved_untouched_and_half_solved(autograded):
+def test_solved_and_half_solved(autograded):
     results = autograded["results"]
     assert results["solved"]["score"] == len(NAMES)
     assert results["solved"]["output"].startswith(f"Graded {source_for(LESSON).name} as lesson {LESSON}")
     assert all(t["status"] == "passed" for t in results["solved"]["tests"])
-    assert results["untouched"]["score"] == 0
-    assert all(t["output"].startswith("not attempted yet") for t in results["untouched"]["tests"])
     half = scores(results["half renamed"])
     assert [half[n][0] for n in NAMES] == [1.0] * 3 + [0.0] * (len(NAMES) - 3)
+    assert all(half[n][1].startswith("not attempted yet") for n in NAMES[3:])  # the untouched stubs
     assert results["half renamed"]["output"].startswith(f"Graded homework 5 (final).ipynb as lesson {LESSON}")
 
 
