@@ -688,14 +688,20 @@ import pathlib, subprocess, sys, time
 marker = sys.argv[1]
 subprocess.Popen([sys.executable, "-c", {HOPPER!r}, marker + "-hopper"])
 subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker + "-setsid"], start_new_session=True)
-time.sleep(1)
 def cmdline(p):
     try:
         return p.read_bytes()
     except OSError:
         return b""
-cmdlines = [cmdline(p) for p in pathlib.Path("/proc").glob("[0-9]*/cmdline")]
-print(" ".join(kind for kind in ("hopper", "setsid") if any((marker + "-" + kind).encode() in c for c in cmdlines)))
+def seen():
+    cmdlines = [cmdline(p) for p in pathlib.Path("/proc").glob("[0-9]*/cmdline")]
+    return [kind for kind in ("hopper", "setsid") if any((marker + "-" + kind).encode() in c for c in cmdlines)]
+# the hopper takes a new pid every 5 ms, so one scan of /proc can miss it: look again until both are seen
+deadline, found = time.monotonic() + 20, seen()
+while len(found) < 2 and time.monotonic() < deadline:
+    time.sleep(0.1)
+    found = sorted(set(found) | set(seen()))
+print(" ".join(found))
 """
 
 
