@@ -9,6 +9,7 @@ lesson01, ...); the checker and the course's tooling live in course_utils.toolin
 import atexit
 import gc
 import os
+import sys
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,24 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magic_function(gpu, magic_kind="cell", magic_name="gpu")
     watch(ipython)
     atexit.register(collect_once_at_exit)
+    if check_mode():
+        draw_no_figures(ipython)
+
+
+def draw_no_figures(ipython) -> None:
+    """While the checker runs, figures are made but not drawn: the checker needs the cells to run, not the pictures.
+
+    Drawing a figure into a PNG costs about 0.3 s; a lesson has up to seven. Each cell's figures are closed when it
+    ends, as the inline backend closes them once shown."""
+    if "matplotlib" in sys.modules:  # the backend is chosen when matplotlib loads: too late to change it quietly
+        return
+    os.environ["MPLBACKEND"] = "agg"
+
+    def close_figures(*_) -> None:
+        if "matplotlib.pyplot" in sys.modules:
+            sys.modules["matplotlib.pyplot"].close("all")
+
+    ipython.events.register("post_execute", close_figures)
 
 
 def collect_once_at_exit() -> None:
