@@ -145,18 +145,22 @@ def _plain_env() -> dict:
 # shows no demo depends on a learner's answer. What stays is how a check cell behaves in JupyterLab, the same
 # code in every lesson: run here on the first lesson, on the one whose checks start processes (09), and on
 # the capstone, whose exercises are files; tests/test_browser.py does it in a real JupyterLab for 01.
+# The demos run as the checker runs them (COURSE_CHECK_MODE: fewer epochs, figures not drawn), since what is
+# tested is the check cells' JupyterLab side, which COURSE_CHECKER, left unset, decides; strict nbval runs
+# the demos in full on the solutions.
 RUN_ALL = [s for s in SOURCES if s.name[:2] in ("00", "09", "11")]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("source", RUN_ALL, ids=[s.stem for s in RUN_ALL])
 def test_run_all_of_an_untouched_learner_copy_runs_every_cell(source, tmp_path):
-    """As Run All in JupyterLab: no check stops the notebook; each shows its TODO line; the scoreboard ends it."""
+    """As Run All in JupyterLab (demos shortened as for the checker): no check stops the notebook; each shows its
+    TODO line; the scoreboard ends it."""
     from nbclient import NotebookClient
 
     nb = nbformat.read(learner_path(source), as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-    client.execute(env=_plain_env())
+    client.execute(env={**_plain_env(), "COURSE_CHECK_MODE": "1"})
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.execution_count is not None for c in code), "a cell did not run"
     assert not [o for c in code for o in c.outputs if o.output_type == "error"], "a cell raised"
