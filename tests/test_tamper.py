@@ -271,10 +271,14 @@ def tagged(tags):
     return nb
 
 
-def with_markers(markers):
+def tagged_and_marked(tags, markers):
+    """add_one's exercise and check cells carry the nbval tags; draw's start with the matching comment markers."""
     nb = learner_nb()
     for cell in nb.cells:
-        if any(t.startswith(("check:", "exercise:")) for t in cell.metadata.get("tags", [])):
+        own = [t for t in cell.metadata.get("tags", []) if t.startswith(("check:", "exercise:"))]
+        if any(t.endswith(":add_one") for t in own):
+            cell.metadata["tags"] += list(tags)
+        elif own:
             cell.source = "\n".join(markers) + "\n" + cell.source
     return nb
 
@@ -297,10 +301,11 @@ NO_VERDICT_REASON = "the check did not report a verdict: was the checker patched
 
 ATTACKS = {
     # name: (notebook, {exercise: (status, reason or None)}, route named in review or None, static route or None)
-    "raises-exception tag": (tagged(["raises-exception"]), "not attempted", None, tamper.NBVAL_TAGS),
-    "skip tags": (tagged(["skip", "nbval-skip", "nbval-ignore-output"]), "not attempted", None, tamper.NBVAL_TAGS),
-    "raises marker": (with_markers(["# NBVAL_RAISES_EXCEPTION"]), "not attempted", None, tamper.NBVAL_TAGS),
-    "skip marker": (with_markers(["# NBVAL_SKIP", "# NBVAL_IGNORE_OUTPUT"]), "not attempted", None, tamper.NBVAL_TAGS),
+    # each exercise's verdict is its own: add_one's tests the tags, draw's the markers
+    "raises-exception tag and marker": (tagged_and_marked(["raises-exception"], ["# NBVAL_RAISES_EXCEPTION"]),
+                                        "not attempted", None, tamper.NBVAL_TAGS),
+    "skip tags and markers": (tagged_and_marked(["skip", "nbval-skip", "nbval-ignore-output"], ["# NBVAL_SKIP", "# NBVAL_IGNORE_OUTPUT"]),
+                              "not attempted", None, tamper.NBVAL_TAGS),
     "checker_running": (after_exercise("from course_utils.tooling import verdicts\nverdicts.checker_running = lambda: False"),
                         "not attempted", tamper.PATCH, tamper.PATCH),
     "Verdict.passed": (after_exercise("from course_utils.tooling.verdicts import Verdict\nVerdict.passed = property(lambda self: True)"),
