@@ -10,6 +10,8 @@ import torch
 from course_utils import check_mode
 from course_utils.device import synchronize
 
+MIN_RUNS = 3  # the fewest timed runs a median is taken of, however slow the call
+
 
 @dataclass
 class Timing:
@@ -34,13 +36,19 @@ def benchmark(
     warmup: int = 3,
     repeats: int = 20,
     device: torch.device | str = "cpu",
+    max_seconds: float = 5.0,
 ) -> Timing:
-    """Time fn(): `warmup` untimed calls, then `repeats` timed ones, each synchronised on `device`."""
+    """Time fn(): `warmup` untimed calls, then `repeats` timed ones, each synchronised on `device`; once `max_seconds`
+    have passed, fewer of each, down to one warm-up and three timed runs."""
     if check_mode():
         # The checker needs a number, not a precise one.
         warmup, repeats = min(warmup, 1), min(repeats, 3)
+    # A call that takes a second (bfloat16 on a CPU without bfloat16 units) needs no twenty repeats to show it.
+    started = time.perf_counter()
     for _ in range(warmup):
         fn()
+        if time.perf_counter() - started > max_seconds:
+            break
     synchronize(device)
     runs = []
     for _ in range(repeats):
@@ -49,6 +57,8 @@ def benchmark(
         # Without this, an accelerator returns before its queued kernels finish.
         synchronize(device)
         runs.append(time.perf_counter() - start)
+        if len(runs) >= MIN_RUNS and time.perf_counter() - started > max_seconds:
+            break
     return Timing(name, runs)
 
 

@@ -43,6 +43,40 @@ def test_median_of_fake_clock(monkeypatch):
     assert timing.median == pytest.approx(0.003)
 
 
+def _slow_calls(monkeypatch, seconds: float):
+    """A fake clock on which each call of the returned fn takes `seconds`; and the list of its calls."""
+    now, calls = [0.0], []
+    monkeypatch.setattr(benchmarking.time, "perf_counter", lambda: now[0])
+
+    def fn():
+        calls.append(1)
+        now[0] += seconds
+
+    return calls, fn
+
+
+def test_a_slow_call_stops_once_the_time_is_spent(monkeypatch):
+    calls, fn = _slow_calls(monkeypatch, 2.0)
+    timing = benchmark(fn, warmup=3, repeats=15, max_seconds=5.0)
+    # warm-ups at 2 and 4 s, the third ends at 6 s (past 5): then the three timed runs a median needs
+    assert len(timing.runs) == benchmarking.MIN_RUNS and len(calls) == 3 + benchmarking.MIN_RUNS
+    assert timing.median == pytest.approx(2.0)
+
+
+def test_a_call_slower_than_the_budget_gets_one_warm_up(monkeypatch):
+    calls, fn = _slow_calls(monkeypatch, 7.0)
+    timing = benchmark(fn, warmup=3, repeats=15, max_seconds=5.0)
+    assert len(calls) == 1 + benchmarking.MIN_RUNS and len(timing.runs) == benchmarking.MIN_RUNS
+
+
+def test_within_the_budget_every_repeat_runs(monkeypatch):
+    calls, fn = _slow_calls(monkeypatch, 0.125)  # exact in binary: no rounding at the budget's edge
+    timing = benchmark(fn, warmup=3, repeats=30, max_seconds=5.0)
+    assert len(calls) == 33 and len(timing.runs) == 30  # 4.125 s
+    calls, fn = _slow_calls(monkeypatch, 0.125)
+    assert len(benchmark(fn, warmup=3, repeats=60, max_seconds=5.0).runs) == 38  # 5.0 s after 37 runs is not past it
+
+
 def test_check_mode_shrinks_repeats(monkeypatch):
     monkeypatch.setenv("COURSE_CHECK_MODE", "1")
     calls, fn = _counter()
