@@ -168,3 +168,30 @@ def test_a_kernel_port_taken_by_a_neighbour_cannot_stall_the_checker(tmp_path, m
     assert "error" not in result
     assert not log.exists()  # the kernel's sockets are Unix sockets: no TCP port was picked, so none could be taken
     assert time.monotonic() - start < 30
+
+
+def installed_plugin(folder: Path) -> Path:
+    """A folder holding a pytest plugin as pip installs one (a dist-info with a pytest11 entry point) that breaks pytest."""
+    folder.mkdir()
+    (folder / "breaker_plugin.py").write_text('def pytest_configure(config):\n    raise SystemExit("the breaker plugin was loaded")\n')
+    info = folder / "breaker_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: breaker-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[pytest11]\nbreaker = breaker_plugin\n")
+    return folder
+
+
+def test_no_other_installed_pytest_plugin_reaches_the_checker(tmp_path, monkeypatch):
+    from course_utils.tooling.runner import run_checker
+    from test_grade import solved
+
+    plugin = installed_plugin(tmp_path / "site")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(plugin), os.environ.get("PYTHONPATH", "")]))
+    # the control: any other pytest run here loads it
+    plain = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert "the breaker plugin was loaded" in plain.stdout + plain.stderr
+    notebook = tmp_path / "00_orientation.ipynb"
+    nbformat.write(solved("00"), notebook)
+    result = run_checker([notebook])[str(notebook)]
+    assert {name: v["status"] for name, v in result["exercises"].items()} == {"add_one": "passed", "draw": "passed"}
