@@ -59,20 +59,24 @@ check-python:
 	fi
 
 # The first run shows pip's own progress, after one line that says how much it downloads; later runs,
-# with .venv up to date, print nothing of this.
+# with .venv up to date, print nothing of this. For `make test` the same pip run installs the test extra
+# too (one resolve, not two), and .venv/.extras says so; after `make lab` the test set-up adds that extra.
+EXTRA := $(if $(filter test,$(GOAL)),[test])
 $(STAMP): pyproject.toml constraints.txt | check-python
 	@case "$(TORCH)" in pypi|cpu) ;; *) echo "error: TORCH=$(TORCH): give TORCH=pypi (PyPI's PyTorch) or TORCH=cpu (PyTorch's CPU-only wheels)"; exit 1;; esac
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "Installing the course's pinned packages into $(VENV), $(DOWNLOAD_$(TORCH)). Later runs skip this."
 	$(PY) -m pip install --quiet --upgrade "pip>=24"
 	$(if $(filter cpu,$(TORCH)),$(PY) -m pip install --no-deps --index-url $(TORCH_CPU_INDEX) -c constraints.txt torch torchvision)
-	$(PY) -m pip install -c constraints.txt -e .
+	$(PY) -m pip install -c constraints.txt -e $(if $(EXTRA),".$(EXTRA)",.)
 	echo $(TORCH) > $(VENV)/.torch
+	echo "$(EXTRA)" > $(VENV)/.extras
 	touch $(STAMP)
 
+# The test extra: playwright, which drives Debian's chromium, and nbgitpuller, for the JupyterHub test.
 $(TEST_STAMP): $(STAMP)
-	@echo "Installing the test extra (playwright, which drives Debian's chromium, and nbgitpuller, for the JupyterHub test)."
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
+	@grep -qxF "[test]" $(VENV)/.extras 2>/dev/null || { echo "Installing the test extra (playwright, which drives Debian's chromium, and nbgitpuller, for the JupyterHub test)."; \
+	    echo '$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"'; $(PY) -m pip install --quiet -c constraints.txt -e ".[test]"; }
 	touch $(TEST_STAMP)
 
 # Makes your copies in work/ (never overwriting one), then opens JupyterLab on lesson 00

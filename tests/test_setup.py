@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -105,3 +106,34 @@ def test_make_test_runs_every_lesson_strictly_in_a_process_per_core_and_fails_on
     assert 1 <= jobs <= min(4, os.cpu_count() or 1)
     (one_by_one,) = [line for line in make("-n", "test", "TEST_JOBS=0", venv=venv).stdout.splitlines() if " -m pytest " in line]
     assert " -n " not in one_by_one and "--dist" not in one_by_one
+
+
+def test_make_test_installs_the_test_extra_in_the_same_pip_run(tmp_path):
+    run = make("-n", "-B", "test", venv=tmp_path / "v")
+    assert run.returncode == 0, run.stderr
+    installs = [line for line in pip_lines(run.stdout) if "-e " in line and line.startswith(f"{tmp_path}/v/bin/python")]
+    assert installs == [f'{tmp_path}/v/bin/python -m pip install -c constraints.txt -e ".[test]"']
+    assert f'echo "[test]" > {tmp_path}/v/.extras' in run.stdout
+
+
+@pytest.mark.parametrize("extras, adds_it", [("[test]\n", False), ("\n", True), (None, True)],
+                         ids=["installed with the course", "after make lab", "a venv from before .extras"])
+def test_the_test_set_up_adds_the_extra_only_when_it_is_missing(tmp_path, extras, adds_it):
+    venv = tmp_path / "v"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "python.log"
+    # a stand-in that records the installs it is asked for and runs the rest (make's checks of the venv)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\ncase "$*" in *"pip install"*) echo "$@" >> {log};; *) exec {sys.executable} "$@";; esac\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / ".torch").write_text("pypi\n")
+    if extras is not None:
+        (venv / ".extras").write_text(extras)
+    stamp = venv / ".installed"
+    stamp.touch()
+    later = time.time() + 60
+    os.utime(stamp, (later, later))
+    run = make(f"{venv}/.installed-test", venv=venv)
+    assert run.returncode == 0, run.stdout + run.stderr
+    asked = log.read_text() if log.exists() else ""
+    assert ('-m pip install --quiet -c constraints.txt -e .[test]' in asked) == adds_it, asked
+    assert (venv / ".installed-test").exists()
