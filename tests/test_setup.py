@@ -38,7 +38,9 @@ def test_the_first_install_states_its_download_and_shows_pips_progress(tmp_path)
     said = next(line for line in run.stdout.splitlines() if line.startswith("echo \"Installing the course's pinned packages"))
     assert "over 3 GB to download on Linux x86_64" in said and "run make clean-venv, then make " in said and "TORCH=cpu" in said
     pip = pip_lines(run.stdout)
-    assert pip[-1] == f"{tmp_path}/v/bin/python -m pip install -c constraints.txt -e ."  # no --quiet: pip's own progress
+    assert pip[-1] == f"{tmp_path}/v/bin/python -m pip install --no-compile -c constraints.txt -e ."  # no --quiet: pip's own progress
+    after = run.stdout.split(pip[-1], 1)[1].splitlines()[1]
+    assert after.startswith(f"{tmp_path}/v/bin/python -m compileall -qq -j 0 ")  # the bytecode, compiled on every core
     assert not [line for line in pip if CPU_INDEX in line]
 
 
@@ -47,8 +49,8 @@ def test_torch_cpu_installs_the_same_pins_from_pytorchs_cpu_index_first(tmp_path
     assert run.returncode == 0, run.stderr
     python = f"{tmp_path}/v/bin/python"
     assert pip_lines(run.stdout)[-2:] == [
-        f"{python} -m pip install --no-deps --index-url {CPU_INDEX} -c constraints.txt torch torchvision",
-        f"{python} -m pip install -c constraints.txt -e .",  # finds torch==2.14.1 satisfied by 2.14.1+cpu: no CUDA libraries
+        f"{python} -m pip install --no-deps --no-compile --index-url {CPU_INDEX} -c constraints.txt torch torchvision",
+        f"{python} -m pip install --no-compile -c constraints.txt -e .",  # finds torch==2.14.1 satisfied by 2.14.1+cpu: no CUDA libraries
     ]
     assert f"echo cpu > {tmp_path}/v/.torch" in run.stdout
     assert "2.5 GB less to download" in run.stdout
@@ -112,7 +114,7 @@ def test_make_test_installs_the_test_extra_in_the_same_pip_run(tmp_path):
     run = make("-n", "-B", "test", venv=tmp_path / "v")
     assert run.returncode == 0, run.stderr
     installs = [line for line in pip_lines(run.stdout) if "-e " in line and line.startswith(f"{tmp_path}/v/bin/python")]
-    assert installs == [f'{tmp_path}/v/bin/python -m pip install -c constraints.txt -e ".[test]"']
+    assert installs == [f'{tmp_path}/v/bin/python -m pip install --no-compile -c constraints.txt -e ".[test]"']
     assert f'echo "[test]" > {tmp_path}/v/.extras' in run.stdout
 
 
