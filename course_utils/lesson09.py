@@ -37,6 +37,7 @@ from course_utils.tooling.checks import (
     scoreboard_for,
     stub_function,
     type_name,
+    untouched_script,
     where,
 )
 
@@ -988,6 +989,8 @@ def check_ddp_digits(script) -> None:
     from course_utils.tooling.checks import exercise_seconds
 
     path = _expect_script(script).resolve()
+    if untouched_script(path):  # told without starting the ranks (about 4 s)
+        raise ExerciseNotAttempted(not_attempted_message("ddp_digits"))
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="lesson09-check-") as tmp, RankServer() as server:
         # the ranks get what the server's start left of the check's time, less 5 s to judge

@@ -37,6 +37,7 @@ from course_utils.tooling.checks import (
     not_attempted_message,
     scoreboard_for,
     stub_frame,
+    untouched_script,
 )
 
 scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
@@ -1599,24 +1600,10 @@ def _judge_accuracy(trained: nn.Module) -> None:
                              f"carry count is needed, and {low[0]} carries got less")
 
 
-def _untouched(script: Path) -> bool:
-    """Whether main() is still the skeleton: nothing after parsing the arguments but the stub (no rank need start to tell)."""
-    try:
-        tree = ast.parse(script.read_text(encoding="utf-8", errors="replace"))
-    except SyntaxError:
-        return False
-    main = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"), None)
-    if main is None:
-        return False
-    parsed = [i for i, n in enumerate(main.body) if isinstance(n, ast.Assign) and "parse_args" in ast.unparse(n.value)]
-    rest = main.body[parsed[-1] + 1:] if parsed else main.body
-    return len(rest) == 1 and isinstance(rest[0], ast.Raise) and ast.unparse(rest[0]) == "raise NotImplementedError()"
-
-
 @exercise("capstone_train")
 def check_capstone_train(path) -> None:
     script = _expect_file(path, "capstone_train")
-    if _untouched(script):
+    if untouched_script(script):
         raise ExerciseNotAttempted(not_attempted_message("capstone_train"))
     limit = exercise_seconds()
     timeout, grace = max(5.0, limit / 3), 5.0

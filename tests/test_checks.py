@@ -22,6 +22,7 @@ from course_utils.tooling.checks import (
     expect_tensor,
     expect_unchanged,
     judge,
+    untouched_script,
 )
 
 # --- ExerciseFailed itself -------------------------------------------------------------
@@ -642,6 +643,40 @@ def test_only_the_untouched_stub_is_not_attempted():
 
     verdict = _exercise_named("double").verdict(double)
     assert verdict == Verdict("double", "not attempted", "not attempted yet: replace `raise NotImplementedError` in double with your code")
+
+
+SKELETON = """import argparse
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args()
+    # YOUR CODE HERE
+    raise NotImplementedError()
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.parametrize("text, untouched", [
+    (SKELETON, True),
+    (SKELETON.replace("    args = parser.parse_args()\n", ""), False),  # no parse_args: the parser lines are code of the learner's
+    (SKELETON.replace("    # YOUR CODE HERE\n", "    print(args.epochs)\n"), False),  # a start, then the stub
+    (SKELETON.replace("raise NotImplementedError()", "raise NotImplementedError('later')"), False),
+    (SKELETON.replace("def main()", "def train()"), False),  # no main(): nothing to tell from
+    (SKELETON.replace("def main() -> None:", "def main() -> None"), False),  # does not parse
+], ids=["the skeleton", "no parse_args", "a line added", "another raise", "no main", "a syntax error"])
+def test_untouched_script_reads_only_the_skeleton_as_untouched(tmp_path, text, untouched):
+    script = tmp_path / "train.py"
+    script.write_text(text)
+    assert untouched_script(script) is untouched
+
+
+def test_untouched_script_of_a_missing_file_is_false(tmp_path):
+    assert untouched_script(tmp_path / "missing.py") is False
 
 
 def test_a_stub_reached_in_another_function_says_where(tmp_path, monkeypatch):

@@ -1009,6 +1009,19 @@ def test_the_untouched_skeleton_is_not_attempted(tmp_path, one_server):
     assert_names_fault(L.check_ddp_digits, _write(tmp_path, moved), r"rank \d raised NotImplementedError: later")
 
 
+def test_the_untouched_skeleton_is_told_without_starting_a_rank(tmp_path, monkeypatch):
+    import course_utils.rank_server as rank_server
+    from course_utils.tooling.build import stub
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("a rank server was started for the untouched skeleton")
+
+    monkeypatch.setattr(rank_server, "RankServer", no_server)
+    skeleton = stub(_notebook_cell("exercise:ddp_digits")).split("\n", 1)[1]
+    with pytest.raises(ExerciseNotAttempted, match=r"^ddp_digits: not attempted yet"):
+        L.check_ddp_digits(_write(tmp_path, skeleton))
+
+
 @pytest.mark.parametrize("bad, message", [(None, "expected the path of your script, got None"),
                                           (3, "expected the path of your script .*got an int"),
                                           (nn.Linear(2, 2), "expected the path of your script .*got a torch.nn"),

@@ -17,6 +17,7 @@ COURSE_CHECKER=1 for its kernels, and `course_utils check`) a verdict other than
 passed raises, so the cell fails. Every check runs under a time limit.
 """
 
+import ast
 import contextlib
 import functools
 import inspect
@@ -340,6 +341,23 @@ def learner_interrupt() -> bool:
 
 def not_attempted_message(name: str) -> str:
     return f"{NOT_ATTEMPTED}: replace `raise NotImplementedError` in {name} with your code"
+
+
+def untouched_script(script: Path) -> bool:
+    """Whether a script's main() is still the learner copy's skeleton: after parsing its arguments, only the stub.
+
+    Read, not run: a check of a launched script can say "not attempted" without starting a rank.
+    """
+    try:
+        tree = ast.parse(Path(script).read_text(encoding="utf-8", errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return False
+    main = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"), None)
+    if main is None:
+        return False
+    parsed = [i for i, n in enumerate(main.body) if isinstance(n, ast.Assign) and "parse_args" in ast.unparse(n.value)]
+    rest = main.body[parsed[-1] + 1:] if parsed else main.body
+    return len(rest) == 1 and isinstance(rest[0], ast.Raise) and ast.unparse(rest[0]) == "raise NotImplementedError()"
 
 
 def stub_frame(err: BaseException) -> tuple[str, str] | None:
