@@ -29,6 +29,21 @@ def learner(lesson: str):
     return nbformat.read(learner_path(source_for(lesson)), as_version=4)
 
 
+def without_demos(nb):
+    """The notebook with only what grading needs: its set-up cells, exercises, checks and scoreboard (no demo runs).
+
+    For the tests that grade many copies of one lesson to see what an attack or a fault does: the demos
+    would run again in each, and strict nbval runs them on the solutions.
+    """
+    def needed(cell) -> bool:
+        tags = cell.metadata.get("tags", [])
+        return (cell.cell_type != "code" or "hosted-setup" in tags or "%load_ext course_utils" in cell.source
+                or any(t.startswith(("exercise:", "check:")) for t in tags) or ".scoreboard()" in cell.source)
+
+    nb.cells = [c for c in nb.cells if needed(c)]
+    return nb
+
+
 def exercise_cell(nb, name: str):
     return next(c for c in nb.cells if f"exercise:{name}" in c.metadata.get("tags", []))
 

@@ -1,14 +1,14 @@
 """Grading a hostile class: each submission attacks the grader, the course or a classmate; none of it may work.
 
-Every attack runs inside one lesson-00 notebook, graded together with two honest classmates in the
+Every attack runs inside one lesson-00 notebook (its demo cells left out), graded together with two honest classmates in the
 sandbox (course_utils.tooling.sandbox). For each the test asserts what the issue asks: the course's
 files are unchanged, no process is left, nothing leaked into the gradebook, no exercise passed that
 was not solved, and every other submission is graded as if it were alone. That last one is checked
 two ways:
 
 - the honest classmates (ada.ipynb, who solved both exercises, and cy.ipynb, with a wrong add_one and
-  an untouched draw), the victims it protects, are also graded each in a run of its own; their rows
-  in the class run must equal those, status and reason;
+  an untouched draw), the victims it protects, are also graded in a run of their own, with no attacker;
+  their rows in the class run must equal those, status and reason;
 - each attacking submission's rows, status and reason per exercise, must equal what its own code
   earns, written in expected_verdicts() from lesson 00's checks run in this process: an untouched
   stub is "not attempted" with the check's stub reason, reader.ipynb's add_one fails with the
@@ -35,15 +35,24 @@ import pytest
 from course_utils import lesson00
 from course_utils.tooling import sandbox
 from course_utils.tooling.layout import root as course_root
-from test_grade import learner, solved
+from test_grade import learner as whole_learner, solved as whole_solved, without_demos
 
 pytestmark = pytest.mark.skipif(sandbox.bwrap_path() is None, reason="bubblewrap (bwrap) is not installed: .ci/run installs it")
 
 MARK = f"hostile-{os.getpid()}"  # in every attack's process names and files, so that leftovers can be found
 SECRET = f"instructor-token-{os.getpid()}"
 CLASSMATE_TEXT = f"classmate-answer-{os.getpid()}"
-HONEST = ("ada.ipynb", "cy.ipynb")  # the classmates the attacks must leave alone: graded alone too, to compare
+HONEST = ("ada.ipynb", "cy.ipynb")  # the classmates the attacks must leave alone: graded without them too, to compare
 KILLED = "the checker was killed by SIGKILL while the notebook ran: the notebook's code stopped the checker"
+
+
+def learner(lesson: str):
+    """The learner copy without its demos: twelve kernels grade this class, and the demos prove nothing here."""
+    return without_demos(whole_learner(lesson))
+
+
+def solved(lesson: str):
+    return without_demos(whole_solved(lesson))
 
 
 def with_cell(nb, code: str):
@@ -207,14 +216,12 @@ def write_class(folder: Path, out: Path) -> None:
 
 
 def graded_alone(tmp_path_factory, folder: Path) -> dict[str, dict[str, tuple[str, str]]]:
-    """Each honest classmate graded in a run of its own."""
-    alone = {}
+    """The honest classmates graded in a run of their own, with no attacker in it."""
+    single, out = tmp_path_factory.mktemp("alone"), tmp_path_factory.mktemp("alone-out")
     for name in HONEST:
-        single, out = tmp_path_factory.mktemp("alone"), tmp_path_factory.mktemp("alone-out")
         (single / name).write_bytes((folder / name).read_bytes())
-        assert grade(single, out).returncode == 0
-        alone.update(read_rows(out)[0])
-    return alone
+    assert grade(single, out).returncode == 0
+    return read_rows(out)[0]
 
 
 def expected_verdicts() -> dict[str, dict[str, tuple[str, str]]]:
@@ -250,7 +257,7 @@ def expected_verdicts() -> dict[str, dict[str, tuple[str, str]]]:
 
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory):
-    """The honest classmates graded alone, then the whole class together; returns both gradebooks and what was seen after."""
+    """The honest classmates graded without the attackers, then the whole class together; returns both gradebooks and what was seen after."""
     folder, out = tmp_path_factory.mktemp("class"), tmp_path_factory.mktemp("out")
     write_class(folder, out)
     lesson00_file = course_root() / "course_utils" / "lesson00.py"

@@ -148,6 +148,7 @@ def test_strict_warnings(pytester):
 
 from course_utils.tooling import layout  # noqa: E402
 from course_utils.tooling.build import stub  # noqa: E402
+from test_grade import without_demos  # noqa: E402
 
 
 def lesson_notebook(lesson: str, solved: bool = True):
@@ -297,28 +298,25 @@ def test_without_the_flag_a_leftover_is_not_looked_for(pytester):
 def test_strict_nbval_fails_a_check_that_names_a_route_for_review(pytester):
     """`make test`'s gate on the solutions: under --nbval a check that passes but names a route for review fails, naming it.
 
-    The untouched solution passes with nothing to review. The same solution with a cell that defines a torch.Tensor
-    subclass (harmless here, but a route the checker names for an instructor) passes the check after it as a check,
-    and fails it as a cell. One pytest runs both notebooks.
+    The solution, its demos left out, with a cell that defines a torch.Tensor subclass (harmless here, but a
+    route the checker names for an instructor): the check after it passes as a check and fails as a cell,
+    while add_one's, before it, passes. The untouched solutions pass with nothing to review: `make test` runs
+    every one of them under this same strict nbval.
     """
     from course_utils.tooling import tamper
 
-    name = layout.source_for("00").name
-    flagged = lesson_notebook("00")
+    flagged = without_demos(lesson_notebook("00"))
     flagged.cells.insert(cell_index(flagged, "check:draw"), new_code_cell("class Tagged(torch.Tensor):\n    pass"))
-    for folder, nb in (("solved", lesson_notebook("00")), ("flagged", flagged)):
-        (pytester.path / folder).mkdir()
-        nbformat.write(nb, pytester.path / folder / name)
+    (pytester.path / "flagged").mkdir()
+    nbformat.write(flagged, pytester.path / "flagged" / layout.source_for("00").name)
     result = pytester.runpytest_subprocess(
         "-p", "course_utils.tooling.lean_imports", "--nbval", "--nbval-current-env", "-p", "no:cacheprovider", "-v",
-        "--course-report", "r.json", "solved", "flagged",
+        "--course-report", "r.json", "flagged",
     )
     route = f"{tamper.SUBCLASS}: class Tagged"
     result.stdout.fnmatch_lines(["*flagged/*::check draw FAILED*", f"draw failed: needs review under strict nbval: {route}"])
     assert result.parseoutcomes()["failed"] == 1
-    report = {path.split("/")[-2]: nb for path, nb in json.loads((pytester.path / "r.json").read_text()).items()}
-    assert report["solved"]["exercises"] == {"add_one": {"status": "passed", "reason": ""}, "draw": {"status": "passed", "reason": ""}}
-    assert report["solved"]["review"] == [] and report["solved"]["stopped_at"] is None
-    assert report["flagged"]["exercises"]["draw"] == {"status": "failed", "reason": f"needs review under strict nbval: {route}"}
-    assert report["flagged"]["exercises"]["add_one"]["status"] == "passed"
-    assert report["flagged"]["review"] == [route]
+    (report,) = json.loads((pytester.path / "r.json").read_text()).values()
+    assert report["exercises"] == {"add_one": {"status": "passed", "reason": ""},
+                                   "draw": {"status": "failed", "reason": f"needs review under strict nbval: {route}"}}
+    assert report["review"] == [route] and report["stopped_at"] is None

@@ -20,6 +20,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from course_utils.tooling import checkcell, layout, tamper
 from course_utils.tooling.build import stub
+from test_grade import without_demos
 
 # ---------------------------------------------------------------- tamper.scan on snippets
 
@@ -242,7 +243,8 @@ def test_torch_is_trusted_until_patched(monkeypatch):
 # ---------------------------------------------------------------- the real checker, one attack per notebook
 
 def learner_nb():
-    return nbformat.read(layout.learner_path(layout.source_for("00")), as_version=4)
+    """Lesson 00's learner copy without its demos: each attack starts a kernel of its own, and the demos prove nothing here."""
+    return without_demos(nbformat.read(layout.learner_path(layout.source_for("00")), as_version=4))
 
 
 def index(nb, tag):
