@@ -30,7 +30,7 @@ ALL_SOURCES = sorted((ROOT / "notebooks" / "solutions").glob("[0-9][0-9]_*.ipynb
 # What the browser adds to Run All is JupyterLab's front end, the same for every lesson, so one lesson shows it: 01,
 # whose screenshot is kept. Lesson 00 is opened in the browser by test_the_printed_url_opens_lesson_00 and run as
 # Run All does, in a plain kernel, by tests/test_notebooks.py::test_run_all_of_an_untouched_learner_copy_runs_every_cell
-# (which runs the untouched learner copies of 00, 09 and 11 only). COURSE_BROWSER_LESSONS="all" (or "05 09") runs
+# (which runs the untouched learner copies of 00 and 11 only). COURSE_BROWSER_LESSONS="all" (or "05 09") runs
 # others through the UI too.
 BROWSER_LESSONS = os.environ.get("COURSE_BROWSER_LESSONS", "01").split()
 SOURCES = [s for s in ALL_SOURCES if "all" in BROWSER_LESSONS or s.name[:2] in BROWSER_LESSONS]

@@ -143,12 +143,13 @@ def _plain_env() -> dict:
 # Its demo cells are the solution's, which nbval runs in full (`make test`); with the stubs in place,
 # test_learner_copies_fail_only_their_check_cells runs every learner copy, and test_no_demo_cell_calls_an_exercise
 # shows no demo depends on a learner's answer. What stays is how a check cell behaves in JupyterLab, the same
-# code in every lesson: run here on the first lesson, on the one whose checks start processes (09), and on
-# the capstone, whose exercises are files; tests/test_browser.py does it in a real JupyterLab for 01.
+# code in every lesson: run here on the first lesson and on the capstone, whose exercises are files;
+# tests/test_browser.py does it in a real JupyterLab for 01. (Lesson 09's script check, the other one that
+# starts processes, tells its untouched skeleton without starting any: checks.untouched_script.)
 # The demos run as the checker runs them (COURSE_CHECK_MODE: fewer epochs, figures not drawn), since what is
 # tested is the check cells' JupyterLab side, which COURSE_CHECKER, left unset, decides; strict nbval runs
 # the demos in full on the solutions.
-RUN_ALL = [s for s in SOURCES if s.name[:2] in ("00", "09", "11")]
+RUN_ALL = [s for s in SOURCES if s.name[:2] in ("00", "11")]
 
 
 @pytest.mark.slow
