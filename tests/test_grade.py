@@ -85,21 +85,22 @@ def graded(tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     nbformat.write(solved("01"), folder / "ada.ipynb")
     nbformat.write(learner("01"), folder / "bob.ipynb")  # untouched
-    wrong = fill(fill(learner("00"), "add_one", "    return x + 2"), "draw", "    return torch.randn(n)")
+    # The lesson-00 submissions leave out the demos: what is graded here is each one's trouble, not the lesson.
+    wrong = fill(fill(without_demos(learner("00")), "add_one", "    return x + 2"), "draw", "    return torch.randn(n)")
     nbformat.write(wrong, folder / "cy.ipynb")
     (folder / "dee.ipynb").write_text(nbformat.writes(solved("00"))[:300])  # truncated
     (folder / "empty.ipynb").write_text("")
     (folder / "notes.txt").write_text("my answers are in the notebook\n")  # not a notebook: ignored, and listed once
     (folder / "text.ipynb").write_text("my answers are in the notebook\n")  # named as one: unreadable
-    looping = fill(learner("00"), "add_one", "    while True:\n        pass")
+    looping = fill(without_demos(learner("00")), "add_one", "    while True:\n        pass")
     nbformat.write(fill(looping, "draw", "    return torch.randn(n, generator=torch.Generator().manual_seed(seed))"), folder / "eve.ipynb")
     # Renamed, and its lesson stamp removed: a lesson 00 notebook named like lesson 05 is graded as lesson 00.
-    renamed = solved("00")
+    renamed = without_demos(solved("00"))
     renamed.metadata.pop("course", None)
     nbformat.write(renamed, folder / "05_training.ipynb")
-    crash = fill(learner("00"), "add_one", "    import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)")
+    crash = fill(without_demos(learner("00")), "add_one", "    import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)")
     nbformat.write(crash, folder / "fay.ipynb")
-    no_check = solved("00")
+    no_check = without_demos(solved("00"))
     no_check.cells = [c for c in no_check.cells if "check:draw" not in c.metadata.get("tags", [])]
     (folder / "sub").mkdir()
     nbformat.write(no_check, folder / "sub" / "gus.ipynb")

@@ -746,7 +746,7 @@ tiny = ["--steps", "4", "--batch-size", "8", "--every", "2", "--d-model", "16", 
 finished = distributed.torchrun(script.name, nproc=2, args=tiny + ["--checkpoints", str(folder / "tiny")], cwd=folder, timeout=300)
 assert finished.returncode == 0 or distributed.aborted_on_exit(finished), finished.stderr[-2000:]
 try:
-    distributed.torchrun(script.name, nproc=2, args=tiny + ["--steps", "100000", "--checkpoints", str(folder / "long")], cwd=folder, timeout=8)
+    distributed.torchrun(script.name, nproc=2, args=tiny + ["--steps", "100000", "--checkpoints", str(folder / "long")], cwd=folder, timeout=6)
 except TimeoutError:
     pass
 verdict = lesson11.check_capstone_train.verdict(script)
@@ -757,7 +757,7 @@ for name in lesson11.FILES:
     (hanging.parent / f"{name}.py").write_text((folder / f"{name}.py").read_text())
 hanging.write_text(script.read_text().replace("    ddp_model = DDP(model)\n", "    if rank == 0:\n        time.sleep(3600)\n    ddp_model = DDP(model)\n").replace("import math\n", "import math\nimport time\n"))
 import os
-os.environ["COURSE_EXERCISE_SECONDS"] = "21"  # the ranks get 7 s of it
+os.environ["COURSE_EXERCISE_SECONDS"] = "15"  # the ranks get 5 s of it
 verdict = lesson11.check_capstone_train.verdict(hanging)
 assert "no rank finished" in verdict.reason or "took longer" in verdict.reason, verdict.line()
 time.sleep(1.0)
