@@ -60,7 +60,7 @@ def collect_once_at_exit() -> None:
     """Collect garbage once, then freeze what is left, so that the interpreter's own shutdown skips its collections.
 
     With torch imported, those collections walk every object torch made: about a second of CPU each time JupyterLab
-    shuts a kernel down or restarts it (nbval and the checker kill theirs, which skips all of this). Finalizers still run for everything collected here; Python never promised them
-    for objects alive at exit."""
+    shuts a kernel down or restarts it (nbval and the checker kill theirs, which skips all of this). Finalizers
+    still run for everything collected here; Python never promised them for objects alive at exit."""
     gc.collect()
     gc.freeze()

@@ -5,8 +5,8 @@ laid out like Gradescope's /autograder (source/, submission/, results/, run_auto
 run_autograder takes from COURSE_AUTOGRADER_ROOT (used by these tests only), and runs it once per
 submission: solved, half-solved and renamed (one notebook: `homework 5 (final).ipynb`, its lesson
 stamp removed, its other exercises untouched), empty, missing, another lesson's notebook, a PDF,
-and a solved copy that tries to write results.json and the course's files, in a bubblewrap sandbox and again with the
-privilege drop that serves where a container allows no sandbox. `grade` grades the half-solved
+and a solved copy that tries to write results.json and the course's files, in a bubblewrap sandbox
+and again with the privilege drop that serves where a container allows no sandbox. `grade` grades the half-solved
 notebook in the same fixture, to compare scores. Every results.json is checked against a JSON
 Schema written here from Gradescope's published specification (gradescope-autograders.readthedocs.io,
 "Autograder Specifications", Output format).

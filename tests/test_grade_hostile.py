@@ -52,6 +52,7 @@ def learner(lesson: str):
 
 
 def solved(lesson: str):
+    """The solved copy without its demos, for the same reason."""
     return without_demos(whole_solved(lesson))
 
 
