@@ -17,6 +17,9 @@ TORCH ?= $(or $(shell cat $(VENV)/.torch 2>/dev/null),pypi)
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 DOWNLOAD_pypi = over 3 GB to download on Linux x86_64, 3.0 GB of it PyTorch with its CUDA libraries and Triton (6 GB installed); without an NVIDIA GPU, stop it (Ctrl-C), run make clean-venv, then make $(GOAL) TORCH=cpu
 DOWNLOAD_cpu = with PyTorch's CPU-only build, 2.5 GB less to download than PyPI's Linux build (4 GB less installed)
+# The course's language: `make lab COURSE_LANG=zh` (简体中文) or en, remembered in work/ for later runs. Not LANG,
+# which would change the locale of every command make runs; the course never reads LANG, LANGUAGE or LC_ALL.
+COURSE_LANG ?=
 # Extra options for `jupyter lab`, e.g. make lab LAB_ARGS="--port=8889 --no-browser".
 # (As root, `course_utils lab` adds --allow-root itself: Jupyter refuses root without it.)
 LAB_ARGS ?=
@@ -77,6 +80,13 @@ $(STAMP): pyproject.toml constraints.txt | check-python
 	echo "$(EXTRA)" > $(VENV)/.extras
 	touch $(STAMP)
 
+# The Chinese edition's messages: pybabel compiles each catalog (.po) to the .mo file gettext reads, here on
+# the first run and again whenever a .po changes. git ignores the .mo files: they are never edited or committed.
+PO := $(wildcard course_utils/locale/*/LC_MESSAGES/course_utils.po)
+MO := $(PO:.po=.mo)
+$(MO): %.mo: %.po | $(STAMP)
+	$(PY) -m babel.messages.frontend --quiet compile -d course_utils/locale -D course_utils
+
 # The test extra: playwright, which drives Debian's chromium, and nbgitpuller, for the JupyterHub test.
 $(TEST_STAMP): $(STAMP)
 	@grep -qxF "[test]" $(VENV)/.extras 2>/dev/null || { echo "Installing the test extra (playwright, which drives Debian's chromium, and nbgitpuller, for the JupyterHub test)."; \
@@ -85,8 +95,8 @@ $(TEST_STAMP): $(STAMP)
 
 # Makes your copies in work/ (never overwriting one), then opens JupyterLab on lesson 00
 # with the course folder as its root and the course's settings (.jupyter/).
-lab: check-python $(STAMP)
-	$(PY) -m course_utils lab $(LAB_ARGS)
+lab: check-python $(STAMP) $(MO)
+	$(PY) -m course_utils lab $(if $(COURSE_LANG),--lang $(COURSE_LANG)) $(LAB_ARGS)
 
 # Unit tests (tests/test_notebooks.py also runs the learner copies: every check
 # must say "not attempted" and nothing else may fail), and the solution notebooks
@@ -94,14 +104,16 @@ lab: check-python $(STAMP)
 # DeprecationWarning or FutureWarning printed, and no process left running once a lesson's kernel stops.
 # The tests run in TEST_JOBS processes (pytest-xdist; default: one per CPU core, at most 4), a file at a time
 # in each, so a notebook's cells stay in order in one kernel. TEST_JOBS=0 runs them in this process, one by one.
-test: check-python $(TEST_STAMP)
-	$(PY) -m pytest tests notebooks/solutions --nbval $(NBVAL) --course-strict-warnings --course-no-leftovers --durations=30 $(XDIST)
+# The tests speak English (COURSE_LANG=en), whatever language `make lab COURSE_LANG=zh` remembered; the Chinese
+# copies still run in Chinese, since the checker gives each notebook the language of its edition.
+test: check-python $(TEST_STAMP) $(MO)
+	COURSE_LANG=en $(PY) -m pytest tests notebooks/solutions --nbval $(NBVAL) --course-strict-warnings --course-no-leftovers --durations=30 $(XDIST)
 
 # Re-run every solution notebook to refresh its outputs, then rebuild the learner copies.
-notebooks: check-python $(STAMP)
+notebooks: check-python $(STAMP) $(MO)
 	$(PY) -m course_utils build --execute
 
-build: check-python $(STAMP)
+build: check-python $(STAMP) $(MO)
 	$(PY) -m course_utils build
 
 # Every installed package, setuptools included (torch needs it at run time), except pip and the course itself.

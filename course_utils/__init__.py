@@ -35,9 +35,26 @@ def load_ipython_extension(ipython) -> None:
 
     ipython.register_magic_function(gpu, magic_kind="cell", magic_name="gpu")
     watch(ipython)
+    speak_the_notebooks_language()
     atexit.register(collect_once_at_exit)
     if check_mode():
         draw_no_figures(ipython)
+
+
+def speak_the_notebooks_language() -> None:
+    """In JupyterLab, give the checks' messages in the language of the notebook's edition (a Chinese copy: Chinese).
+
+    Jupyter Server names the kernel's notebook in JPY_SESSION_NAME; without it (nbval, nbclient) the checker or
+    the build sets COURSE_LANG itself, and in any case COURSE_LANG, if set, is left as it is.
+    """
+    path = os.environ.get("JPY_SESSION_NAME", "")
+    if "COURSE_LANG" in os.environ or not path.endswith(".ipynb"):
+        return
+    from course_utils.tooling.language import notebook_language
+
+    lang = notebook_language(path)
+    if lang:
+        os.environ["COURSE_LANG"] = lang
 
 
 def draw_no_figures(ipython) -> None:

@@ -48,7 +48,7 @@ def test_help_lists_the_learners_commands_first_and_the_others_in_their_own_grou
 @pytest.mark.parametrize("argv, said", [
     (["chek", "01"], "error: unknown command 'chek': did you mean check?"),
     (["restor", "01", "--list"], "error: unknown command 'restor': did you mean restore?"),
-    (["zzz"], "error: unknown command 'zzz': the commands are lab, check, progress, workspace, reset, restore, grade, autograder, html, build, timings"),
+    (["zzz"], "error: unknown command 'zzz': the commands are lab, check, progress, workspace, reset, restore, grade, autograder, html, build, translations, timings"),
 ])
 def test_a_mistyped_command_gets_a_did_you_mean(capsys, argv, said):
     with pytest.raises(SystemExit) as info:

@@ -5,6 +5,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,15 +19,16 @@ from course_utils.distributed import process_status
 from course_utils.tooling import grade, layout, sandbox
 from course_utils.tooling.build import BEGIN, END
 from course_utils.tooling.classroom import external_references
-from course_utils.tooling.layout import learner_path, source_for
+from course_utils.tooling.layout import edition_learner_path, source_for
+from course_utils.tooling.translations import solution_path
 from course_utils.tooling.runner import become_subreaper, descendants
 
 STUB = "    # YOUR CODE HERE\n    raise NotImplementedError()"
 
 
-def learner(lesson: str):
-    """The course's learner copy of a lesson, as a learner receives it."""
-    return nbformat.read(learner_path(source_for(lesson)), as_version=4)
+def learner(lesson: str, lang: str = "en"):
+    """The course's learner copy of a lesson, as a learner receives it (lang='zh': the Chinese edition's)."""
+    return nbformat.read(edition_learner_path(source_for(lesson), lang), as_version=4)
 
 
 def without_demos(nb):
@@ -56,10 +58,10 @@ def fill(nb, name: str, body: str):
     return nb
 
 
-def solved(lesson: str):
-    """A learner copy with every exercise filled in from the lesson's own solution copy."""
-    nb = learner(lesson)
-    solutions = nbformat.read(source_for(lesson), as_version=4)
+def solved(lesson: str, lang: str = "en"):
+    """A learner copy with every exercise filled in from the lesson's own solution copy (lang='zh': the Chinese edition's)."""
+    nb = learner(lesson, lang)
+    solutions = nbformat.read(source_for(lesson) if lang == "en" else solution_path(source_for(lesson), lang), as_version=4)
     for cell in solutions.cells:
         names = [t.split(":", 1)[1] for t in cell.metadata.get("tags", []) if t.startswith("exercise:")]
         if names:
@@ -88,6 +90,10 @@ def graded(tmp_path_factory):
     # The lesson-00 submissions leave out the demos: what is graded here is each one's trouble, not the lesson.
     wrong = fill(fill(without_demos(learner("00")), "add_one", "    return x + 2"), "draw", "    return torch.randn(n)")
     nbformat.write(wrong, folder / "cy.ipynb")
+    # The same answers in the Chinese edition, in the same class: a solved copy and cy's wrong one.
+    nbformat.write(fill(fill(without_demos(learner("00", "zh")), "add_one", "    return x + 2"), "draw", "    return torch.randn(n)"),
+                   folder / "zh-cy.ipynb")
+    nbformat.write(without_demos(solved("00", "zh")), folder / "zh-hal.ipynb")
     (folder / "dee.ipynb").write_text(nbformat.writes(solved("00"))[:300])  # truncated
     (folder / "empty.ipynb").write_text("")
     (folder / "notes.txt").write_text("my answers are in the notebook\n")  # not a notebook: ignored, and listed once
@@ -141,6 +147,15 @@ def test_solved_passes_and_untouched_is_not_attempted(graded):
     assert {s for s, _ in bob.values()} == {"not attempted"}
     assert all("not attempted yet" in r for _, r in bob.values())
     assert {r["lesson"] for r in rows if r["submission"] in ("ada.ipynb", "bob.ipynb")} == {"01"}
+
+
+def test_a_class_mixing_editions_gets_the_same_statuses_with_each_reason_in_its_language(graded):
+    rows, *_ = graded
+    english, chinese = verdicts(rows, "cy.ipynb"), verdicts(rows, "zh-cy.ipynb")
+    assert {n: s for n, (s, _) in chinese.items()} == {n: s for n, (s, _) in english.items()} == {"add_one": "failed", "draw": "failed"}
+    assert all(re.search(r"[\u4e00-\u9fff]", reason) for _, reason in chinese.values()), chinese
+    assert {s for s, _ in verdicts(rows, "zh-hal.ipynb").values()} == {"pass"}
+    assert {r["lesson"] for r in rows if r["submission"].startswith("zh-")} == {"00"}
 
 
 def test_wrong_answers_fail_with_the_checks_reason(graded):

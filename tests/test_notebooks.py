@@ -173,6 +173,29 @@ def test_run_all_of_an_untouched_learner_copy_runs_every_cell(source, tmp_path):
     assert scoreboard and scoreboard[0].startswith(f"Lesson {source.name[:2]} scoreboard: {len(names)} exercises: 0 passed, {len(names)} not attempted")
 
 
+@pytest.mark.slow
+def test_run_all_of_an_untouched_chinese_learner_copy_speaks_chinese(tmp_path):
+    """Lesson 00's Chinese copy, run as JupyterLab runs it (the kernel told its notebook by JPY_SESSION_NAME, not by
+    COURSE_LANG): every cell runs, and each check and the scoreboard say their verdicts in Chinese."""
+    from nbclient import NotebookClient
+
+    from course_utils.tooling.layout import edition_learner_path
+
+    path = edition_learner_path(SOURCES[0], "zh")
+    nb = nbformat.read(path, as_version=4)
+    env = {k: v for k, v in _plain_env().items() if k != "COURSE_LANG"}
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute(
+        env={**env, "COURSE_CHECK_MODE": "1", "JPY_SESSION_NAME": str(path), "COURSE_WORK_DIR": str(tmp_path / "work")})
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in code) and not [o for c in code for o in c.outputs if o.output_type == "error"]
+    names = [e.name for e in exercises("00")]
+    shown = [o["data"]["text/plain"] for c in code if any(t.startswith("check:") for t in c.metadata.get("tags", []))
+             for o in c.outputs if o.output_type == "display_data"]
+    assert shown == [f"TODO {n}: 尚未作答：把 {n} 中的 `raise NotImplementedError` 换成你的代码" for n in names]
+    scoreboard = [o["data"]["text/plain"] for o in code[-1].outputs if o.output_type == "display_data"]
+    assert scoreboard and scoreboard[0].startswith(f"第 00 课记分板：共 {len(names)} 个练习：0 个通过，{len(names)} 个未作答")
+
+
 @pytest.mark.parametrize("source", SOURCES, ids=IDS)
 def test_no_demo_cell_calls_an_exercise(source):
     """Learner copies raise NotImplementedError in exercises, so only check cells may call them (demos use lessonNN.<name>)."""

@@ -243,3 +243,19 @@ def test_no_learner_file_is_ever_lost(work, steps):
             workspace.reset("01")
         getattr(workspace, step)("01")
         assert seen <= every_byte(work)
+
+
+def test_the_chosen_edition_gives_the_copies_and_reset_keeps_to_it(work, monkeypatch):
+    from course_utils.tooling import cli, language
+
+    monkeypatch.delenv("COURSE_LANG", raising=False)
+    assert cli.main(["workspace", "--lang", "zh"]) == 0
+    chinese = layout.edition_learner_path(layout.source_for("01"), "zh")
+    assert chinese.parent.name == "zh-CN" and (work / chinese.name).read_bytes() == chinese.read_bytes()
+    assert language.remembered() == "zh"
+    learner_edit(work / chinese.name)
+    target, saved = workspace.reset("01")
+    assert target.read_bytes() == chinese.read_bytes() and saved is not None
+    monkeypatch.setenv("COURSE_LANG", "en")  # the environment wins: a fresh copy is English again
+    workspace.reset("01")
+    assert (work / chinese.name).read_bytes() == fresh("01")

@@ -35,9 +35,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from course_utils.tooling.language import N_, _
 from course_utils.tooling.verdicts import Verdict, checker_running, verdict_html
 
-NOT_ATTEMPTED = "not attempted yet"
+DEFAULT_WHATS = (N_("your result"), N_("your model"), N_("your function"))  # what= defaults, translated in each check
 STUB_LINE = "raise NotImplementedError()"
 
 
@@ -120,9 +121,9 @@ def judge(check: Callable, name: str, *args, **kwargs) -> Verdict:
     except ExerciseFailed as err:
         return Verdict(name, "failed", err.message)
     except ExerciseTimeout:
-        return Verdict(name, "failed", f"took longer than {seconds:g} s: an endless loop?")
+        return Verdict(name, "failed", _("took longer than {seconds:g} s: an endless loop?").format(seconds=seconds))
     except SystemExit as err:
-        return Verdict(name, "failed", f"your code called exit() (SystemExit: {err.code}): return a value instead")
+        return Verdict(name, "failed", _("your code called exit() (SystemExit: {code}): return a value instead").format(code=err.code))
     except Exception as err:  # noqa: BLE001 -- anything else is judged by where it was raised
         learner_files = {a.__code__.co_filename for a in args if hasattr(a, "__code__")}
         return Verdict(name, *_blame(err, name, check.__code__.co_filename, learner_files))
@@ -340,7 +341,7 @@ def learner_interrupt() -> bool:
 
 
 def not_attempted_message(name: str) -> str:
-    return f"{NOT_ATTEMPTED}: replace `raise NotImplementedError` in {name} with your code"
+    return _("not attempted yet: replace `raise NotImplementedError` in {name} with your code").format(name=name)
 
 
 def untouched_script(script: Path) -> bool:
@@ -418,8 +419,10 @@ def learner_frame(err: BaseException, checker_file: str = "") -> tuple[str, int,
 
 def where(frame: tuple[str, int, str]) -> str:
     """' (in foo, line 3)' for a learner frame."""
-    function, line, _ = frame
-    return f" (in {function}, line {line})" if function != "<module>" else f" (line {line} of its cell)"
+    function, line, _file = frame
+    if function != "<module>":
+        return _(" (in {function}, line {line})").format(function=function, line=line)
+    return _(" (line {line} of its cell)").format(line=line)
 
 
 def _blame(err: Exception, name: str, checker_file: str = "", learner_files: set[str] = frozenset()) -> tuple[str, str]:
@@ -432,11 +435,13 @@ def _blame(err: Exception, name: str, checker_file: str = "", learner_files: set
     if stub and (stub[0] == name or stub[1] in learner_files):
         return "not attempted", not_attempted_message(name)
     if stub:
-        return "not attempted", f"{NOT_ATTEMPTED}: your code reaches the `{STUB_LINE}` stub in {stub[0]}"
+        return "not attempted", _("not attempted yet: your code reaches the `{stub}` stub in {function}").format(stub=STUB_LINE, function=stub[0])
     frame = learner_frame(err, checker_file)
     if frame:
-        return "failed", f"your code raised {type(err).__name__}: {first_line(err)}{where(frame)}"
-    return "failed", f"the checker itself failed ({type(err).__name__}: {first_line(err)}); please report this"
+        return "failed", _("your code raised {error}: {message}{where}").format(
+            error=type(err).__name__, message=first_line(err), where=where(frame))
+    return "failed", _("the checker itself failed ({error}: {message}); please report this").format(
+        error=type(err).__name__, message=first_line(err))
 
 
 def call(
@@ -463,18 +468,18 @@ def call(
         # runs, usually the learner's loop; its SIGINT can, and the check's time_limit notes it.
         if not learner_interrupt():
             raise
-        advice = " (KeyboardInterrupt is what Ctrl-C raises: return a value, or raise an ordinary exception)"
-        raise ExerciseFailed(f"{_described(fn, args, name, shown)} raised KeyboardInterrupt: {first_line(err)}{advice}") from None
+        advice = _(" (KeyboardInterrupt is what Ctrl-C raises: return a value, or raise an ordinary exception)")
+        raise ExerciseFailed(_("{call} raised KeyboardInterrupt: {message}{advice}").format(call=_described(fn, args, name, shown), message=first_line(err), advice=advice)) from None
     except Exception as err:  # noqa: BLE001 -- the learner's error, reported as theirs
         if stub_function(err):
             raise
         advice = error_hint(err, {**ERROR_HINTS, **(hints or {})})
-        raise ExerciseFailed(f"{_described(fn, args, name, shown)} raised {type(err).__name__}: {first_line(err)}{advice}") from None
+        raise ExerciseFailed(_("{call} raised {error}: {message}{advice}").format(call=_described(fn, args, name, shown), error=type(err).__name__, message=first_line(err), advice=advice)) from None
 
 
 def _described(fn: Any, args: Sequence[Any], name: str | None, shown: str | None) -> str:
     """'double(tensor of shape (2,))': the learner's function and its arguments, as call()'s one-line failures name them."""
-    label = name or getattr(fn, "__name__", None) or f"your {type(fn).__name__}"
+    label = name or getattr(fn, "__name__", None) or _("your {type}").format(type=type(fn).__name__)
     return f"{label}({_describe_args(args) if shown is None else shown})"
 
 
@@ -484,46 +489,48 @@ def expect_callable(fn: Any, kind: str = "function") -> None:
     kind='function': a function (or a class, which builds its result when called), but not a model;
     kind='module': an nn.Module instance; kind='callable': anything callable.
     """
-    wanted = "your model" if kind == "module" else "your function"
+    wanted = _("your model") if kind == "module" else _("your function")
     if fn is None:
-        raise ExerciseFailed(f"expected {wanted}, got None: pass it itself, e.g. check_x(x)")
+        raise ExerciseFailed(_("expected {wanted}, got None: pass it itself, e.g. check_x(x)").format(wanted=wanted))
     if kind == "module" and inspect.isclass(fn):
-        raise ExerciseFailed(f"expected your model, got the class {fn.__name__}: create one first, e.g. {fn.__name__}(...)")
+        raise ExerciseFailed(_("expected your model, got the class {fn_name}: create one first, e.g. {fn_name}(...)").format(fn_name=fn.__name__))
     if kind == "function" and isinstance(fn, nn.Module):
-        raise ExerciseFailed(f"expected your function, got a model ({type(fn).__name__}): pass the function itself, not a module")
+        raise ExerciseFailed(_("expected your function, got a model ({type_fn_name}): pass the function itself, not a module").format(type_fn_name=type(fn).__name__))
     if kind == "module" and not isinstance(fn, nn.Module):
-        raise ExerciseFailed(f"expected your model (a torch.nn.Module), got {a_type(fn)}")
+        raise ExerciseFailed(_("expected your model (a torch.nn.Module), got {a_type_fn}").format(a_type_fn=a_type(fn)))
     if not callable(fn):
-        raise ExerciseFailed(f"expected {wanted}, got {a_type(fn)}: pass the function, do not call it first")
+        raise ExerciseFailed(_("expected {wanted}, got {a_type_fn}: pass the function, do not call it first").format(wanted=wanted, a_type_fn=a_type(fn)))
 
 
 # Torch's wording of common errors, and what the words mean. Advice only where the words say it all.
+# The advice is translated when it is shown (error_hint); N_ marks it for the catalog.
 ERROR_HINTS = {
-    "must match the size of tensor": "shapes that do not broadcast: compare the two shapes from the right",
-    "shapes cannot be multiplied": "for a @ b the last dim of a must equal the first of b",
-    "view size is not compatible": "view() of a non-contiguous tensor; reshape() copies when it must",
-    "expected scalar type": "mixed dtypes in one operation",
-    "Expected all tensors to be on the same device": "tensors on different devices in one operation",
+    "must match the size of tensor": N_("shapes that do not broadcast: compare the two shapes from the right"),
+    "shapes cannot be multiplied": N_("for a @ b the last dim of a must equal the first of b"),
+    "view size is not compatible": N_("view() of a non-contiguous tensor; reshape() copies when it must"),
+    "expected scalar type": N_("mixed dtypes in one operation"),
+    "Expected all tensors to be on the same device": N_("tensors on different devices in one operation"),
 }
 
 
 def error_hint(err: Exception, hints: dict[str, str] = ERROR_HINTS) -> str:
     text = str(err)
-    return next((f" ({hint})" for key, hint in hints.items() if key in text), "")
+    return next((" ({})".format(_(hint)) for key, hint in hints.items() if key in text), "")
 
 
 def first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
-    return text[0] if text else "(no message)"
+    return text[0] if text else _("(no message)")
 
 
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return f"tensor of shape {tuple(value.shape)}"
+        return _("tensor of shape {shape}").format(shape=tuple(value.shape))
     if isinstance(value, nn.Module):
-        return f"a {type(value).__name__}"
+        name = type(value).__name__
+        return (_("an {type}") if name[0] in "aeiou" else _("a {type}")).format(type=name)
     if isinstance(value, dict) and len(value) > 3:
-        return f"dict of {len(value)} entries"
+        return _("dict of {n} entries").format(n=len(value))
     if isinstance(value, (list, tuple)) and len(value) > 3:
         return f"{type(value).__name__} of {len(value)}"
     return repr(value)
@@ -536,7 +543,7 @@ def _describe_args(args: Sequence[Any]) -> str:
 def a_type(value: Any) -> str:
     """'an int', 'a torch.Tensor': the value's type with its article."""
     name = type_name(value)
-    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+    return (_("an {type}") if name[0] in "aeiou" else _("a {type}")).format(type=name)
 
 
 def type_name(value: Any) -> str:
@@ -546,7 +553,9 @@ def type_name(value: Any) -> str:
 
 
 def _none_message(what: str, returned: bool) -> str:
-    return f"{what} is None: did you forget to `return` it?" if returned else f"{what} is None"
+    if returned:
+        return _("{what} is None: did you forget to `return` it?").format(what=_(what))
+    return _("{what} is None").format(what=_(what))
 
 
 def expect_tensor(
@@ -565,35 +574,36 @@ def expect_tensor(
     returned=False for a value that is not a function's result (an attribute, a buffer): then
     a None gets no advice about `return`.
     """
+    what = _(what)  # the default, 'your result', in the learner's language
     if got is None:
         raise ExerciseFailed(_none_message(what, returned))
     if isinstance(got, np.ndarray):
-        raise ExerciseFailed(f"{what} is a numpy.ndarray, expected a torch.Tensor: convert it with torch.from_numpy(...)")
+        raise ExerciseFailed(_("{what} is a numpy.ndarray, expected a torch.Tensor: convert it with torch.from_numpy(...)").format(what=what))
     if isinstance(got, (list, tuple)):
-        raise ExerciseFailed(f"{what} is a {type(got).__name__}, expected a torch.Tensor")
+        raise ExerciseFailed(_("{what} is a {type_got_name}, expected a torch.Tensor").format(what=what, type_got_name=type(got).__name__))
     if not isinstance(got, torch.Tensor):
-        raise ExerciseFailed(f"{what} is {a_type(got)}, expected a torch.Tensor")
+        raise ExerciseFailed(_("{what} is {a_type_got}, expected a torch.Tensor").format(what=what, a_type_got=a_type(got)))
     expect_plain_tensor(got, what=what)
     shape = tuple(got.shape)
     expect_shape(got, expected.shape, what=what)
     if check_dtype and got.dtype != expected.dtype:
-        raise ExerciseFailed(f"{what}: expected dtype {expected.dtype}, got {got.dtype}{_dtype_hint(got.dtype, expected.dtype)}")
+        raise ExerciseFailed(_("{what}: expected dtype {expected_dtype}, got {got_dtype}{hint}").format(what=what, expected_dtype=expected.dtype, got_dtype=got.dtype, hint=_dtype_hint(got.dtype, expected.dtype)))
     if check_device and got.device.type != expected.device.type:
-        raise ExerciseFailed(f"{what}: expected it on device {expected.device.type}, got {got.device.type}")
+        raise ExerciseFailed(_("{what}: expected it on device {expected_device_type}, got {got_device_type}").format(what=what, expected_device_type=expected.device.type, got_device_type=got.device.type))
     if got.is_complex() or expected.is_complex():
         a, b = got.detach().cpu().to(torch.complex128), expected.detach().cpu().to(torch.complex128)
     else:
         a, b = got.detach().to("cpu", torch.float64), expected.detach().to("cpu", torch.float64)
     if torch.isnan(a).any() and not torch.isnan(b).any():
-        raise ExerciseFailed(f"{what} contains NaN where no value should be NaN")
+        raise ExerciseFailed(_("{what} contains NaN where no value should be NaN").format(what=what))
     if not torch.allclose(a, b, atol=atol, rtol=rtol, equal_nan=True):
         diff = (a - b).abs().nan_to_num(nan=float("inf"))
         index = tuple(int(i) for i in np.unravel_index(int(diff.argmax()), shape)) if shape else ()
         hint = ""
         if a.numel() > 1 and not a.is_complex() and torch.allclose(a.flatten().sort().values, b.flatten().sort().values, atol=atol, rtol=rtol):
-            hint = ": the right values in the wrong places"
+            hint = _(": the right values in the wrong places")
         raise ExerciseFailed(
-            f"{what}: wrong values, e.g. at index {index} expected {b[index].item():.6g}, got {a[index].item():.6g}{hint}"
+            _("{what}: wrong values, e.g. at index {index} expected {b_index_item:.6g}, got {a_index_item:.6g}{hint}").format(what=what, index=index, b_index_item=b[index].item(), a_index_item=a[index].item(), hint=hint)
         )
 
 
@@ -603,8 +613,9 @@ def expect_plain_tensor(got: torch.Tensor, *, what: str = "your result") -> None
     A subclass can override allclose, equal or __torch_function__, and so answer the very
     comparisons that judge it.
     """
+    what = _(what)  # the default, 'your result', in the learner's language
     if any(issubclass(k, torch.Tensor) and learner_module(k.__module__) for k in type(got).__mro__):
-        raise ExerciseFailed(f"{what} is a torch.Tensor subclass ({type_name(got)}): return a plain tensor")
+        raise ExerciseFailed(_("{what} is a torch.Tensor subclass ({type_name_got}): return a plain tensor").format(what=what, type_name_got=type_name(got)))
 
 
 def _shape_hint(got: tuple, want: tuple) -> str:
@@ -612,48 +623,48 @@ def _shape_hint(got: tuple, want: tuple) -> str:
     if got == want:
         return ""
     if len(got) == 2 and got == want[::-1]:
-        return ": is it transposed?"
+        return _(": is it transposed?")
     if int(np.prod(got)) == int(np.prod(want)):
         for i in range(len(want)):
             if want[i] == 1 and want[:i] + want[i + 1:] == got:
-                return f": the size-1 dimension {i} is missing (keepdim=True, or unsqueeze({i}), keeps it)"
+                return _(": the size-1 dimension {i} is missing (keepdim=True, or unsqueeze({i}), keeps it)").format(i=i)
         for i in range(len(got)):
             if got[i] == 1 and got[:i] + got[i + 1:] == want:
-                return f": an extra size-1 dimension at {i}"
+                return _(": an extra size-1 dimension at {i}").format(i=i)
         if len(got) == 1 and len(want) > 1:
-            return ": the right number of elements, flattened to one dimension"
+            return _(": the right number of elements, flattened to one dimension")
         if sorted(got) == sorted(want):
-            return ": the right sizes in another order"
-        return ": the right number of elements in another shape"
+            return _(": the right sizes in another order")
+        return _(": the right number of elements in another shape")
     return ""
 
 
 def _dtype_hint(got: torch.dtype, want: torch.dtype) -> str:
     if got == torch.bool and want != torch.bool:
-        return ": a comparison gives a bool tensor; convert it with .to(dtype)"
+        return _(": a comparison gives a bool tensor; convert it with .to(dtype)")
     if want.is_floating_point and not got.is_floating_point and not got.is_complex:
-        return ": an integer tensor; convert it with .float() or create it with a float dtype"
+        return _(": an integer tensor; convert it with .float() or create it with a float dtype")
     if want == torch.bool:
-        return ": a comparison such as x > 0 gives a bool tensor"
+        return _(": a comparison such as x > 0 gives a bool tensor")
     return ""
 
 
 def expect_equal(got: Any, expected: Any, *, what: str = "your result", returned: bool = True) -> None:
     """Compare plain Python values (ints, floats, strings, tuples): the type must match exactly, then the value."""
+    what = _(what)  # the default, 'your result', in the learner's language
     if got is None and expected is not None:
         raise ExerciseFailed(_none_message(what, returned))
     if isinstance(expected, (bool, int, float)) and isinstance(got, torch.Tensor):
-        raise ExerciseFailed(f"{what} is a tensor, expected a Python {type(expected).__name__}: call .item() on it")
+        raise ExerciseFailed(_("{what} is a tensor, expected a Python {type_expected_name}: call .item() on it").format(what=what, type_expected_name=type(expected).__name__))
     if isinstance(expected, (bool, int, float)) and isinstance(got, np.generic):
-        raise ExerciseFailed(f"{what} is {a_type(got)}, expected a Python {type(expected).__name__}: convert it with {type(expected).__name__}(...)")
+        raise ExerciseFailed(_("{what} is {a_type_got}, expected a Python {type_expected_name}: convert it with {type_expected_name}(...)").format(what=what, a_type_got=a_type(got), type_expected_name=type(expected).__name__))
     if type(got) is not type(expected):
-        raise ExerciseFailed(f"{what} is {a_type(got)} ({_short_repr(got)}), expected {a_type(expected)}")
+        raise ExerciseFailed(_("{what} is {a_type_got} ({short_repr_got}), expected {a_type_expected}").format(what=what, a_type_got=a_type(got), short_repr_got=_short_repr(got), a_type_expected=a_type(expected)))
     inner = _type_mismatch(got, expected)
     if inner:
-        raise ExerciseFailed(f"{what} holds {a_type(inner[0])} ({_short_repr(inner[0])}) where {a_type(inner[1])} belongs: "
-                             "return plain values")
+        raise ExerciseFailed(_("{what} holds {a_type_inner_0} ({short_repr_inner_0}) where {a_type_inner_1} belongs: return plain values").format(what=what, a_type_inner_0=a_type(inner[0]), short_repr_inner_0=_short_repr(inner[0]), a_type_inner_1=a_type(inner[1])))
     if got != expected:
-        raise ExerciseFailed(f"{what}: expected {expected!r}, got {_short_repr(got)}")
+        raise ExerciseFailed(_("{what}: expected {expected!r}, got {short_repr_got}").format(what=what, expected=expected, short_repr_got=_short_repr(got)))
 
 
 def learner_module(name: str | None) -> bool:
@@ -712,35 +723,37 @@ def expect_module(
     returned: bool = True,
 ) -> torch.Tensor | None:
     """Check a module's layers, trainable parameter count and output shape; return its output."""
+    what = _(what)  # the default, 'your result', in the learner's language
     if module is None:
         raise ExerciseFailed(_none_message(what, returned))
     if inspect.isclass(module) and issubclass(module, nn.Module):
-        raise ExerciseFailed(f"{what} is the class {module.__name__}, expected an instance: create one, e.g. {module.__name__}(...)")
+        raise ExerciseFailed(_("{what} is the class {module_name}, expected an instance: create one, e.g. {module_name}(...)").format(what=what, module_name=module.__name__))
     if not isinstance(module, nn.Module):
-        raise ExerciseFailed(f"{what} is {a_type(module)}, expected a torch.nn.Module")
+        raise ExerciseFailed(_("{what} is {a_type_module}, expected a torch.nn.Module").format(what=what, a_type_module=a_type(module)))
     present = {type(m) for m in module.modules()}
     for layer in layer_types:
         if not any(issubclass(p, layer) for p in present):
-            raise ExerciseFailed(f"{what} has no {layer.__name__} layer")
+            raise ExerciseFailed(_("{what} has no {layer_name} layer").format(what=what, layer_name=layer.__name__))
     if n_params is not None:
         count = sum(p.numel() for p in module.parameters() if p.requires_grad)
         if count != n_params:
-            raise ExerciseFailed(f"{what} has {count:,} trainable parameters, expected {n_params:,}")
+            raise ExerciseFailed(_("{what} has {count:,} trainable parameters, expected {n_params:,}").format(what=what, count=count, n_params=n_params))
     if example_input is None:
         return None
     out = call(module, example_input, name=what, kind="module")
     if output_shape is not None:
-        expect_shape(out, output_shape, what=f"{what}'s output for an input of shape {tuple(example_input.shape)}")
+        expect_shape(out, output_shape, what=_("{what}'s output for an input of shape {shape}").format(what=what, shape=tuple(example_input.shape)))
     return out
 
 
 def expect_shape(got: Any, shape: Sequence[int], *, what: str = "your result") -> None:
     """Check only that `got` is a tensor of the given shape."""
+    what = _(what)  # the default, 'your result', in the learner's language
     if not isinstance(got, torch.Tensor):
-        raise ExerciseFailed(f"{what} is {a_type(got)}, expected a torch.Tensor")
+        raise ExerciseFailed(_("{what} is {a_type_got}, expected a torch.Tensor").format(what=what, a_type_got=a_type(got)))
     expect_plain_tensor(got, what=what)
     if tuple(got.shape) != tuple(shape):
-        raise ExerciseFailed(f"{what}: expected shape {tuple(shape)}, got {tuple(got.shape)}{_shape_hint(tuple(got.shape), tuple(shape))}")
+        raise ExerciseFailed(_("{what}: expected shape {tuple_shape}, got {tuple_got_shape}{hint}").format(what=what, tuple_shape=tuple(shape), tuple_got_shape=tuple(got.shape), hint=_shape_hint(tuple(got.shape), tuple(shape))))
 
 
 def expect_function(
@@ -751,7 +764,7 @@ def expect_function(
 ) -> None:
     """Call the learner's fn and the reference on hidden cases; compare every result."""
     expect_callable(fn)
-    name = getattr(fn, "__name__", "your function")
+    name = getattr(fn, "__name__", None) or _("your function")
     for args in cases:
         expected = reference(*_clone(args))
         got = call(fn, *_clone(args))
@@ -764,8 +777,9 @@ def expect_function(
 
 def expect_unchanged(before: torch.Tensor, after: torch.Tensor, *, what: str = "your function") -> None:
     """Fail when a function modified its input tensor in place."""
+    what = _(what)  # the default, 'your result', in the learner's language
     if before.shape != after.shape or not torch.equal(before, after):
-        raise ExerciseFailed(f"{what} modified its input in place: work on a copy, or use an out-of-place op (x * 2, not x.mul_(2))")
+        raise ExerciseFailed(_("{what} modified its input in place: work on a copy, or use an out-of-place op (x * 2, not x.mul_(2))").format(what=what))
 
 
 def _clone(args: tuple) -> tuple:

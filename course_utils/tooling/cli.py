@@ -105,7 +105,7 @@ def progress(recheck: bool) -> int:
 GROUPS = {
     "your work": ["lab", "check", "progress", "workspace", "reset", "restore"],
     "for instructors": ["grade", "autograder", "html"],
-    "for the course's maintainers": ["build", "timings"],
+    "for the course's maintainers": ["build", "translations", "timings"],
 }
 HELP = {
     "lab": "open the course in JupyterLab, on lesson 00 (makes your copies in work/ first)",
@@ -118,6 +118,7 @@ HELP = {
     "autograder": "write a Gradescope autograder for lessons (autograder-NN.zip)",
     "html": "render the solution notebooks to static HTML for the classroom",
     "build": "regenerate the course's learner copies in notebooks/ from notebooks/solutions/",
+    "translations": "merge the translation catalogs with the English, or list what is left to translate",
     "timings": "time every lesson under nbval and the checker; rewrite README's course map",
 }
 
@@ -144,15 +145,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         commands[name] = sub.add_parser(name, prog=f"python -m course_utils {name}", description=described)
         return commands[name]
 
-    add("lab", "Open the course in JupyterLab, on lesson 00. Other options are passed on to "
-               "`jupyter lab` (e.g. --port=8889 --no-browser).")
+    p_lab = add("lab", "Open the course in JupyterLab, on lesson 00. Other options are passed on to "
+                       "`jupyter lab` (e.g. --port=8889 --no-browser).")
+    p_lab.add_argument("--lang", choices=["en", "zh"], help="the course's language, kept for later runs: en (English) or zh "
+                                                           "(简体中文): your new copies and the checks' messages")
     p_check = add("check", "Check your exercises in one lesson and print a scoreboard. It runs the notebook as it is saved: "
                            "save it first (Ctrl-S in JupyterLab).")
     p_check.add_argument("lesson", help="lesson number (01), or a notebook path")
     p_check.add_argument("--solutions", action="store_true", help="check the solution copy instead of yours")
     p_progress = add("progress")
     p_progress.add_argument("--recheck", action="store_true", help="run the checker over every lesson first (slow, exact)")
-    add("workspace")
+    p_workspace = add("workspace")
+    p_workspace.add_argument("--lang", choices=["en", "zh"], help="the language of the copies, kept for later runs (as lab --lang)")
     p_reset = add("reset")
     p_reset.add_argument("lesson", help="lesson number, e.g. 03")
     p_reset.add_argument("--force", action="store_true", help="go ahead even while a JupyterLab tab has the notebook open")
@@ -190,6 +194,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p_build = add("build")
     p_build.add_argument("lessons", nargs="*", help="lesson numbers (default: all)")
     p_build.add_argument("--execute", action="store_true", help="re-run each solution notebook first, refreshing its outputs")
+    p_build.add_argument("--lang", choices=["en", "zh"], default="en",
+                         help="the edition to build: zh writes notebooks/zh-CN/ from the English and notebooks/locale/zh_CN/")
+    p_translations = add("translations")
+    p_translations.add_argument("action", choices=["update", "status"],
+                                help="update: merge the catalogs with the current English (changed text goes fuzzy); "
+                                     "status: list what is untranslated or fuzzy")
     p_time = add("timings")
     p_time.add_argument("lessons", nargs="*", help="time only these lessons, with the floor, and print the times (README is left alone)")
     p_time.add_argument("--repeat", type=int, default=3, help="runs per lesson (the median is reported)")
@@ -245,6 +255,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "lab":
         from course_utils.tooling.lab import main as lab
 
+        if args.lang:
+            from course_utils.tooling.language import remember
+
+            remember(args.lang)
         return lab(args.jupyter_args)
     if args.command == "check":
         asked = None if Path(args.lesson).suffix == ".ipynb" else lesson_number(args.lesson)
@@ -254,6 +268,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "workspace":
         from course_utils.tooling.workspace import ensure_workspace
 
+        if args.lang:
+            from course_utils.tooling.language import remember
+
+            remember(args.lang)
         made = ensure_workspace()
         print(f"made {len(made)} notebooks in {shown(work_dir())}" if made else f"{shown(work_dir())} has every lesson")
         return 0
@@ -295,11 +313,23 @@ def _run(args: argparse.Namespace) -> int:
         return autograder(args.lessons, args.out, args.points)
     if args.command == "build":
         from course_utils.tooling.build import build
+        from course_utils.tooling.translations import build as build_edition
 
         sources = [source_for(lesson) for lesson in args.lessons] or None
-        for path in build(sources, run=args.execute):
+        made = build(sources, run=args.execute) if args.lang == "en" else build_edition(args.lang, sources, run=args.execute)
+        for path in made:
             print(f"wrote {shown(path)}")
         return 0
+    if args.command == "translations":
+        from course_utils.tooling.translations import status, update_all
+
+        if args.action == "update":
+            for path in update_all():
+                print(f"updated {shown(path)}")
+            return 0
+        left = status()
+        print("\n".join(left) if left else "every unit of every lesson and every message has a current translation")
+        return 1 if left else 0
     if args.command == "html":
         from course_utils.tooling.classroom import build_html  # nbconvert: slow to import, so only here
 

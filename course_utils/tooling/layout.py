@@ -60,6 +60,21 @@ def learner_path(source: Path) -> Path:
     return source.parent.parent / source.name
 
 
+EDITION_FOLDERS = {"zh": "zh-CN"}  # the course's language code -> its edition's folder under notebooks/
+
+
+def edition_learner_path(source: Path, lang: str) -> Path:
+    """The learner copy of a lesson in one edition: notebooks/NN_topic.ipynb (en), notebooks/zh-CN/NN_topic.ipynb (zh).
+
+    An edition that lacks the lesson gives the English copy.
+    """
+    if lang in EDITION_FOLDERS:
+        copy = root() / "notebooks" / EDITION_FOLDERS[lang] / source.name
+        if copy.exists():
+            return copy
+    return learner_path(source)
+
+
 def work_path(source: Path) -> Path:
     """The learner's own copy of a lesson."""
     return work_dir() / source.name

@@ -18,6 +18,7 @@ notebook's newer verdict stays in the record (`newer_in_notebook`).
 """
 
 import contextlib
+import html
 import json
 import os
 import sys
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from course_utils.tooling.language import N_, _
 from course_utils.tooling.verdicts import SYMBOL, Verdict, checker_running, verdict_html
 from course_utils.tooling.layout import (
     CourseError, exercises, lesson_of, lesson_of_path, read_notebook_json, shown, source_notebooks, work_dir, write_atomic,
@@ -32,8 +34,10 @@ from course_utils.tooling.layout import (
 
 PROGRESS_FILE = ".progress.json"
 NOTEBOOK, CHECKER = "notebook", "check"  # who recorded a verdict: a check cell in the learner's kernel, or `course_utils check`
+# The progress table's headings, translated when it is printed (format_progress).
+COLUMNS = (N_("lesson"), N_("passed"), N_("not attempted"), N_("failed"), N_("not checked"), N_("total"), N_("failing"), N_("TOTAL"))
 RANK = {"passed": 2, "failed": 1, "not attempted": 0}  # better verdicts rank higher; "not run" ranks below all
-NOT_CHECKED = "not checked yet: run its check cell"
+NOT_CHECKED = N_("not checked yet: run its check cell")  # translated in scoreboard_rows
 
 _session: dict[str, dict[str, Verdict]] = {}
 
@@ -194,26 +198,28 @@ def exercise_names(lesson: str) -> list[str]:
 
 def scoreboard_rows(lesson: str, verdicts: dict[str, Verdict]) -> list[Verdict]:
     """One verdict per exercise of the lesson, 'not run' for those not checked."""
-    return [verdicts.get(name) or Verdict(name, "not run", NOT_CHECKED) for name in exercise_names(lesson)]
+    return [verdicts.get(name) or Verdict(name, "not run", _(NOT_CHECKED)) for name in exercise_names(lesson)]
 
 
 def summary(rows: list[Verdict]) -> str:
     """'7 exercises: 5 passed, 1 not attempted, 1 failed' (and how many were not checked)."""
     counts = {s: sum(r.status == s for r in rows) for s in ("passed", "not attempted", "failed", "not run")}
-    text = f"{len(rows)} exercises: {counts['passed']} passed, {counts['not attempted']} not attempted, {counts['failed']} failed"
-    return text + (f", {counts['not run']} not checked" if counts["not run"] else "")
+    text = _("{total} exercises: {passed} passed, {not_attempted} not attempted, {failed} failed").format(
+        total=len(rows), passed=counts["passed"], not_attempted=counts["not attempted"], failed=counts["failed"])
+    return text + (_(", {n} not checked").format(n=counts["not run"]) if counts["not run"] else "")
 
 
 def scoreboard_text(lesson: str, rows: list[Verdict]) -> str:
     width = max((len(r.exercise) for r in rows), default=0)
-    lines = [f"Lesson {lesson} scoreboard: {summary(rows)}"]
+    lines = [_("Lesson {lesson} scoreboard: {summary}").format(lesson=lesson, summary=summary(rows))]
     lines += [f"  {SYMBOL[r.status]}  {r.exercise:{width}}  {r.reason}".rstrip() for r in rows]
     return "\n".join(lines)
 
 
 def scoreboard_html(lesson: str, rows: list[Verdict]) -> str:
     items = "".join(verdict_html(r) for r in rows)
-    return f'<div class="course-scoreboard"><p><b>Lesson {lesson} scoreboard:</b> {summary(rows)}</p>{items}</div>'
+    title = html.escape(_("Lesson {lesson} scoreboard:").format(lesson=lesson))
+    return f'<div class="course-scoreboard"><p><b>{title}</b> {html.escape(summary(rows))}</p>{items}</div>'
 
 
 def show_scoreboard(lesson: str) -> None:
@@ -292,10 +298,10 @@ def progress_rows(folder: Path | None = None) -> tuple[list[dict], list[str]]:
 
 def _problem_label(path: Path, unreadable: str | None, problem: str | None) -> str:
     if not path.exists():
-        return "(not made yet)"  # before `make lab` or `workspace` makes it: nothing is wrong with it
+        return _("(not made yet)")  # before `make lab` or `workspace` makes it: nothing is wrong with it
     if unreadable:
-        return "(notebook unreadable)"
-    return "(holds another lesson)" if problem else ""
+        return _("(notebook unreadable)")
+    return _("(holds another lesson)") if problem else ""
 
 
 def progress_table(folder: Path | None = None):
@@ -312,6 +318,8 @@ def progress_table(folder: Path | None = None):
 
 def format_progress(table) -> str:
     """The table as text, followed by a line per notebook that could not be read."""
-    lines = [table.to_string()]
-    lines += [f"problem: {p}" for p in table.attrs.get("problems", [])]
+    shown_table = table.rename(columns={c: _(c) for c in table.columns}, index={"TOTAL": _("TOTAL")})
+    shown_table.index.name = _(table.index.name or "lesson")
+    lines = [shown_table.to_string()]
+    lines += [_("problem: {problem}").format(problem=p) for p in table.attrs.get("problems", [])]
     return "\n".join(lines)

@@ -44,6 +44,7 @@ import pytest
 
 from course_utils.tooling import leftovers
 from course_utils.tooling.cellruns import PREFIX as CELL_FAILED, message_from_output
+from course_utils.tooling.language import normalise
 from course_utils.tooling.verdicts import SYMBOL
 from course_utils.tooling.layout import CourseError, exercises, lesson_of
 from course_utils.tooling.runner import not_dumpable
@@ -356,11 +357,15 @@ def _prepare_notebook(nbfile, cells: list[pytest.Item]) -> list[pytest.Item]:
 
 def _start_kernels_with_prelude(nbfile) -> None:
     original_setup = nbfile.setup
+    lang = normalise((nbfile.nb.metadata.get("course") or {}).get("language"))
 
     def setup():
         original_setup()
         kernel = nbfile.kernel
-        msg_id = kernel.execute_cell_input(KERNEL_PRELUDE.format(parent=os.getpid()), allow_stdin=False)
+        prelude = KERNEL_PRELUDE.format(parent=os.getpid())
+        if lang:  # a Chinese copy is checked in Chinese, whatever the checker's own language
+            prelude += f"import os as _o; _o.environ['COURSE_LANG'] = {lang!r}; del _o\n"
+        msg_id = kernel.execute_cell_input(prelude, allow_stdin=False)
         kernel.await_reply(msg_id, timeout=30)
         kernel.await_idle(msg_id, timeout=30)
 

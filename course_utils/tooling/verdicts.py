@@ -9,6 +9,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from course_utils.tooling.language import _
+
 SYMBOL = {"passed": "PASS", "not attempted": "TODO", "failed": "FAIL", "not run": "----"}
 
 
@@ -26,7 +28,7 @@ class Verdict:
 
     def line(self) -> str:
         """The one line a learner reads, e.g. 'FAIL linear: expected shape (4, 3), got (3, 4)'."""
-        return f"{SYMBOL[self.status]} {self.exercise}: {self.reason or 'all checks passed'}"
+        return f"{SYMBOL[self.status]} {self.exercise}: {self.reason or _('all checks passed')}"
 
 
 def checker_running() -> bool:
@@ -44,7 +46,7 @@ def verdict_html(verdict: Verdict) -> str:
     """A verdict as one line of HTML: a coloured label, the exercise's name, the reason."""
     colour = COLOURS[verdict.status]
     label = SYMBOL[verdict.status]
-    text = html.escape(verdict.reason or "all checks passed")
+    text = html.escape(verdict.reason or _("all checks passed"))
     return (
         f'<div class="course-verdict course-{verdict.status.replace(" ", "-")}" style="font-family: monospace;">'
         f'<span style="background: {colour}; color: white; padding: 0 6px; border-radius: 3px;">{label}</span> '

@@ -20,23 +20,32 @@ from pathlib import Path
 from typing import Callable
 
 from course_utils.tooling.layout import (
-    CourseError, backups_dir, learner_path, read_notebook_json, shown, source_for, source_notebooks, work_dir, work_path,
+    CourseError, backups_dir, edition_learner_path, read_notebook_json, shown, source_for, source_notebooks, work_dir, work_path,
     write_atomic,
 )
+from course_utils.tooling.language import current as current_language
 from course_utils.tooling.progress import forget
 
 BACKUP_INDEX = ".backups.json"  # when each backup was made and by which command
 
 
 def ensure_workspace() -> list[Path]:
-    """Copy every lesson the learner does not have yet into work/; return the copies made (existing files are left alone)."""
+    """Copy every lesson the learner does not have yet into work/, in the edition of their language; return the copies made.
+
+    Existing files are left alone, whatever their edition: `reset` gives a fresh copy in the current one.
+    """
     made = []
     for source in source_notebooks():
         target = work_path(source)
         if not target.exists():
-            write_atomic(target, learner_path(source).read_text(encoding="utf-8"))
+            write_atomic(target, fresh_copy(source).read_text(encoding="utf-8"))
             made.append(target)
     return made
+
+
+def fresh_copy(source: Path) -> Path:
+    """The learner copy a lesson's work/ file starts from: the edition of the learner's language (COURSE_LANG, or `lab --lang`)."""
+    return edition_learner_path(source, current_language())
 
 
 def backup(path: Path, made_by: str = "") -> Path:
@@ -135,7 +144,7 @@ def reset(lesson: str, guard: Callable[[Path], None] | None = None) -> tuple[Pat
     guard: called with the notebook before anything is written; it refuses by raising (opentabs.TabGuard).
     """
     source = source_for(lesson)
-    target, fresh = work_path(source), learner_path(source).read_text(encoding="utf-8")
+    target, fresh = work_path(source), fresh_copy(source).read_text(encoding="utf-8")
     saved = None
     if target.exists() and target.read_text(encoding="utf-8", errors="replace") == fresh:
         return target, None
