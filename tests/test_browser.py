@@ -70,6 +70,8 @@ def lab(tmp_path_factory, browser):
     # Copies, since the UI may autosave, which must not touch the repository.
     for source in SOURCES:
         shutil.copy(ROOT / "notebooks" / source.name, folder / source.name)
+    (folder / "zh-CN").mkdir()
+    shutil.copy(ROOT / "notebooks" / "zh-CN" / ZH_LESSON, folder / "zh-CN" / ZH_LESSON)
     port, token = free_port(), secrets.token_hex(16)
     command = [
         sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
@@ -83,8 +85,9 @@ def lab(tmp_path_factory, browser):
     settings = folder / ".settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
     (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
-    # A learner's JupyterLab is not the checker: the kernels must not inherit the test run's COURSE_CHECKER=1.
-    env = {k: v for k, v in os.environ.items() if k not in ("COURSE_CHECKER", "COURSE_CHECK_MODE", "PYTEST_ADDOPTS")}
+    # A learner's JupyterLab is not the checker: the kernels must not inherit the test run's COURSE_CHECKER=1,
+    # nor make test's COURSE_LANG=en: each kernel speaks its notebook's language, as in a learner's JupyterLab.
+    env = {k: v for k, v in os.environ.items() if k not in ("COURSE_CHECKER", "COURSE_CHECK_MODE", "PYTEST_ADDOPTS", "COURSE_LANG")}
     env |= {"JUPYTERLAB_SETTINGS_DIR": str(folder / ".settings"), "JUPYTERLAB_WORKSPACES_DIR": str(folder / ".workspaces")}
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -118,13 +121,35 @@ def lab(tmp_path_factory, browser):
 @pytest.mark.parametrize("source", SOURCES, ids=[s.stem for s in SOURCES])
 def test_run_all_runs_every_cell_of_an_untouched_lesson(lab, source):
     """Run → Run All Cells on a learner copy: every cell runs, each check shows its TODO line, the scoreboard ends it."""
-    name = source.name
+    saved, verdicts, scoreboards = run_all(lab, source.name, source.stem)
+    exercises = [t.split(":", 1)[1] for c in saved.cells for t in c.metadata.get("tags", []) if t.startswith("check:")]
+    shown = [v for v in verdicts if not any(v in s for s in scoreboards)]
+    assert [v.split()[:2] for v in verdicts[: len(exercises)]] == [["TODO", f"{n}:"] for n in exercises], verdicts
+    assert all("not attempted yet" in v for v in verdicts[: len(exercises)]), shown
+    assert len(scoreboards) == 1 and f"{len(exercises)} exercises: 0 passed, {len(exercises)} not attempted" in scoreboards[0]
+
+
+ZH_LESSON = "00_orientation.ipynb"
+
+
+def test_run_all_of_a_chinese_lesson_shows_its_verdicts_in_chinese(lab):
+    """The Chinese edition's lesson 00 through JupyterLab's UI: its kernel, told its notebook by Jupyter Server, speaks Chinese."""
+    saved, verdicts, scoreboards = run_all(lab, f"zh-CN/{ZH_LESSON}", "zh-00")
+    exercises = [t.split(":", 1)[1] for c in saved.cells for t in c.metadata.get("tags", []) if t.startswith("check:")]
+    assert [v.split()[:2] for v in verdicts[: len(exercises)]] == [["TODO", f"{n}:"] for n in exercises], verdicts
+    assert all("尚未作答" in v for v in verdicts[: len(exercises)]), verdicts
+    assert len(scoreboards) == 1 and f"共 {len(exercises)} 个练习：0 个通过，{len(exercises)} 个未作答" in scoreboards[0]
+
+
+def run_all(lab, name: str, stem: str):
+    """Run → Run All Cells on the notebook `name` (below the lab's folder), then save it: (the saved notebook, its
+    verdict lines, its scoreboards). Fails unless every cell ran and none raised."""
     tracked = lab["tracked"]
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page = lab["browser"].new_page(viewport={"width": 1400, "height": 1000})
     try:
         # A workspace of its own, so that no notebook of an earlier test is open beside this one.
-        page.goto(f"{lab['url']}/lab/workspaces/{source.stem}/tree/{name}?reset&token={lab['token']}")
+        page.goto(f"{lab['url']}/lab/workspaces/{stem}/tree/{name}?reset&token={lab['token']}")
         page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
         start_kernel(page)
         tracked += psutil.Process(tracked[0].pid).children(recursive=True)
@@ -152,7 +177,7 @@ def test_run_all_runs_every_cell_of_an_untouched_lesson(lab, source):
         page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
         page.locator(".lm-Menu-itemLabel", has_text="Shut Down Kernel").first.click()
     except Exception:
-        page.screenshot(path=str(ARTIFACTS / f"jupyterlab-failure-{source.stem}.png"))
+        page.screenshot(path=str(ARTIFACTS / f"jupyterlab-failure-{stem}.png"))
         raise
     finally:
         page.close()
@@ -161,11 +186,7 @@ def test_run_all_runs_every_cell_of_an_untouched_lesson(lab, source):
     assert all(c.execution_count is not None for c in code), "not every cell ran"
     assert not [o for c in code for o in c.outputs if o.output_type == "error"] and tracebacks == 0, "a cell raised in JupyterLab"
     assert not [e for e in errors if "Traceback" in e], errors
-    exercises = [t.split(":", 1)[1] for c in saved.cells for t in c.metadata.get("tags", []) if t.startswith("check:")]
-    shown = [v for v in verdicts if not any(v in s for s in scoreboards)]
-    assert [v.split()[:2] for v in verdicts[: len(exercises)]] == [["TODO", f"{n}:"] for n in exercises], verdicts
-    assert all("not attempted yet" in v for v in verdicts[: len(exercises)]), shown
-    assert len(scoreboards) == 1 and f"{len(exercises)} exercises: 0 passed, {len(exercises)} not attempted" in scoreboards[0]
+    return saved, verdicts, scoreboards
 
 
 def start_kernel(page) -> None:

@@ -181,3 +181,11 @@ def test_the_badges_open_the_chinese_copies():
         for path, folder in [(solution, "notebooks/zh-CN/solutions/"), (learner, "notebooks/zh-CN/")]:
             badges = [c.source for c in _read(path).cells if "hosted-badges" in c.metadata.get("tags", [])]
             assert all(f"/{folder}{source.name}" in b for b in badges), path
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=LESSONS)
+def test_no_figure_of_the_chinese_edition_lacks_a_glyph(source):
+    # Figure text stays English, so no font is needed; a CJK string in a figure would show here as matplotlib's warning.
+    solution, _ = _edition(source)
+    said = [o.get("text", "") for c in _read(solution).cells if c.cell_type == "code" for o in c.outputs if o.get("output_type") == "stream"]
+    assert not [t for t in said if re.search(r"Glyph \d+ .*missing from font", t)]
