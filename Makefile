@@ -109,12 +109,15 @@ lab: check-python $(STAMP) $(MO)
 test: check-python $(TEST_STAMP) $(MO)
 	COURSE_LANG=en $(PY) -m pytest tests notebooks/solutions --nbval $(NBVAL) --course-strict-warnings --course-no-leftovers --durations=30 $(XDIST)
 
-# Re-run every solution notebook to refresh its outputs, then rebuild the learner copies.
+# Re-run every solution notebook to refresh its outputs, then rebuild the learner copies; then the same for the
+# Chinese edition, whose notebooks are built from the English ones and notebooks/locale/zh_CN/ (CONTRIBUTING.md).
 notebooks: check-python $(STAMP) $(MO)
 	$(PY) -m course_utils build --execute
+	$(PY) -m course_utils build --execute --lang zh
 
 build: check-python $(STAMP) $(MO)
 	$(PY) -m course_utils build
+	$(PY) -m course_utils build --lang zh
 
 # Every installed package, setuptools included (torch needs it at run time), except pip and the course itself.
 lock: check-python $(STAMP)

@@ -119,7 +119,7 @@ def test_the_glossary_terms_are_used_wherever_the_english_uses_them():
         for entry in polib.pofile(str(translations.catalog_path(source, "zh"))).translated_entries():
             prose = re.sub(r"\]\([^)]*\)|https?://\S+", "", re.sub(r"`[^`]*`", "", entry.msgid)).lower()
             for term in _glossary():
-                if re.search(r"(?<![.\w])" + re.escape(term["source"].lower()) + r"(s|es)?(?![\w.(])", prose) \
+                if re.search(r"(?<![.\w])" + re.escape(term["source"].lower()) + r"(s|es)?(?![\w(]|\.\w)", prose) \
                         and term["target"] not in entry.msgstr:
                     misses.append(f"{source.name}: {term['source']!r} is not {term['target']} in: {entry.msgid[:70]}")
     assert not misses, "\n".join(misses[:20])
