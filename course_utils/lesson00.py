@@ -3,6 +3,7 @@
 import torch
 
 from course_utils.tooling.checks import ExerciseFailed, call, exercise, expect_tensor, expect_unchanged, scoreboard_for
+from course_utils.tooling.language import _
 
 scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
@@ -40,7 +41,7 @@ def plot_pytorch_map():
         y = row  # the foundations at the bottom, what is built on them above
         ax.text(-0.1, y + 0.45, layer, ha="right", va="center", fontsize=10, fontweight="bold", color=colours[row])
         width = 8.0 / 4  # four slots per row: rows with fewer parts leave the right free
-        for k, (_, part, purpose, lesson) in enumerate(parts):
+        for k, (_name, part, purpose, lesson) in enumerate(parts):
             x = k * width
             ax.add_patch(FancyBboxPatch((x + 0.05, y + 0.08), width - 0.1, 0.74, boxstyle="round,pad=0.02",
                                         facecolor=colours[row], edgecolor="none", alpha=0.9))
@@ -85,12 +86,13 @@ _ADD_ONE_CASES = [
 def check_add_one(fn) -> None:
     for x in _ADD_ONE_CASES:
         before, mine = x.clone(), x.clone()
-        what = f"add_one(tensor of shape {tuple(x.shape)}, dtype {x.dtype})"
-        got = call(fn, mine, shown=f"tensor of shape {tuple(x.shape)}, dtype {x.dtype}")
+        shown = _("tensor of shape {shape}, dtype {dtype}").format(shape=tuple(x.shape), dtype=x.dtype)
+        what = f"add_one({shown})"
+        got = call(fn, mine, shown=shown)
         expect_unchanged(before, mine, what="add_one")
         expect_tensor(got, add_one(before), what=what)
         if got is mine:
-            raise ExerciseFailed(f"{what} returned its input tensor itself: return a new tensor")
+            raise ExerciseFailed(_("{what} returned its input tensor itself: return a new tensor").format(what=what))
 
 
 _DRAWS = [(7, 5), (2024, 1), (31337, 0), (99, 64)]
@@ -104,14 +106,16 @@ def check_draw(fn) -> None:
         got = call(fn, seed, n)
         if not torch.equal(torch.get_rng_state(), state):
             raise ExerciseFailed(
-                f"{what} changed torch's global random state, which the notebook's other cells draw from: "
-                "leave it alone, and draw from a torch.Generator of your own"
+                _("{what} changed torch's global random state, which the notebook's other cells draw from: "
+                  "leave it alone, and draw from a torch.Generator of your own").format(what=what)
             )
         expected = draw(seed, n)
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and n > 1:
             uniform = torch.rand(n, generator=torch.Generator().manual_seed(seed))
             if torch.equal(got.float(), uniform):
-                raise ExerciseFailed(f"{what} drew from torch.rand, the uniform distribution on [0, 1); torch.randn draws from the standard normal")
+                raise ExerciseFailed(
+                    _("{what} drew from torch.rand, the uniform distribution on [0, 1); torch.randn draws from the standard normal").format(what=what)
+                )
         expect_tensor(got, expected, what=what, atol=0, rtol=0)
         again = call(fn, seed, n)
-        expect_tensor(again, expected, what=f"{what}, called a second time", atol=0, rtol=0)
+        expect_tensor(again, expected, what=_("{what}, called a second time").format(what=what), atol=0, rtol=0)

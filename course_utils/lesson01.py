@@ -13,6 +13,7 @@ from course_utils.tooling.checks import (
     expect_unchanged,
     scoreboard_for,
 )
+from course_utils.tooling.language import _
 
 scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
@@ -186,18 +187,20 @@ def check_checkerboard(fn) -> None:
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected):
             if square > 1 and _same(got, checkerboard(height, width, 1)):
                 raise ExerciseFailed(
-                    f"{what}: your squares are 1 pixel wide: each square is `square` pixels wide, so divide the row "
-                    "and column numbers by square (//) before you take the parity"
+                    _("{what}: your squares are 1 pixel wide: each square is `square` pixels wide, so divide the row "
+                      "and column numbers by square (//) before you take the parity").format(what=what)
                 )
             if _same(got, 1 - expected):
-                raise ExerciseFailed(f"{what} is inverted: the top-left square should be 0")
+                raise ExerciseFailed(_("{what} is inverted: the top-left square should be 0").format(what=what))
         if isinstance(got, torch.Tensor) and height != width and tuple(got.shape) == (width, height):
-            raise ExerciseFailed(f"{what}: expected shape {(height, width)}, got {(width, height)}: height is the number of rows")
+            raise ExerciseFailed(_("{what}: expected shape {expected}, got {got}: height is the number of rows").format(
+                what=what, expected=(height, width), got=(width, height)))
         rounded_up = (-(-height // square) * square, -(-width // square) * square)
         if isinstance(got, torch.Tensor) and tuple(got.shape) == rounded_up != (height, width):
             raise ExerciseFailed(
-                f"{what}: expected shape {(height, width)}, got {rounded_up}: whole squares that run past the edge; "
-                "when square does not divide the size, the last squares are cut off at height and width"
+                _("{what}: expected shape {expected}, got {got}: whole squares that run past the edge; "
+                  "when square does not divide the size, the last squares are cut off at height and width").format(
+                    what=what, expected=(height, width), got=rounded_up)
             )
         expect_tensor(got, expected, what=what)
 
@@ -219,8 +222,8 @@ def _without_keepdim(x: torch.Tensor, dim: int) -> torch.Tensor | None:
 @exercise("minmax_scale")
 def check_minmax_scale(fn) -> None:
     hints = {
-        "torch.return_types": "x.min(dim) and x.max(dim) return a pair (values, indices): take .values, or use amin and amax",
-        "must match the size of tensor": "shapes that do not broadcast: a reduction such as x.amin(dim) drops that dimension unless keepdim=True",
+        "torch.return_types": _("x.min(dim) and x.max(dim) return a pair (values, indices): take .values, or use amin and amax"),
+        "must match the size of tensor": _("shapes that do not broadcast: a reduction such as x.amin(dim) drops that dimension unless keepdim=True"),
     }
     # Square shapes first: there a reduction without keepdim broadcasts silently along the wrong dimension.
     cases = [((4, 4), 1, torch.float32), ((3, 3, 3), -1, torch.float32), ((5, 3), 0, torch.float32),
@@ -228,7 +231,10 @@ def check_minmax_scale(fn) -> None:
     for k, (shape, dim, dtype) in enumerate(cases):
         x = _slices(shape, 30 + k, dtype)
         before = x.clone()
-        shown = f"x of shape {shape}{', float64' if dtype == torch.float64 else ''}, dim={dim}"
+        if dtype == torch.float64:
+            shown = _("x of shape {shape}, float64, dim={dim}").format(shape=shape, dim=dim)
+        else:
+            shown = _("x of shape {shape}, dim={dim}").format(shape=shape, dim=dim)
         got = call(fn, x, dim, name="minmax_scale", shown=shown, hints=hints)
         what = f"minmax_scale({shown})"
         expect_unchanged(before, x, what="minmax_scale")
@@ -237,14 +243,15 @@ def check_minmax_scale(fn) -> None:
             silent = _without_keepdim(before, dim)
             if silent is not None and silent.shape == expected.shape and _same(got, silent, atol=1e-5):
                 raise ExerciseFailed(
-                    f"{what}: the min and max of each slice are lined up with the wrong dimension of x: amin(dim) and amax(dim) "
-                    "drop the dimension they reduce, and broadcasting matches shapes from the right; keep it with keepdim=True"
+                    _("{what}: the min and max of each slice are lined up with the wrong dimension of x: amin(dim) and amax(dim) "
+                      "drop the dimension they reduce, and broadcasting matches shapes from the right; keep it with keepdim=True").format(what=what)
                 )
             if _same(got, (before - before.min()) / (before.max() - before.min()), atol=1e-5):
-                raise ExerciseFailed(f"{what}: you scaled by the smallest and largest value of the whole tensor: scale each slice along dim by its own")
+                raise ExerciseFailed(_("{what}: you scaled by the smallest and largest value of the whole tensor: scale each slice along dim by its own").format(what=what))
             for other in range(x.ndim):
                 if other != dim % x.ndim and _same(got, minmax_scale(before, other), atol=1e-5):
-                    raise ExerciseFailed(f"{what}: you scaled the slices along dim {other}, not along the dim={dim} you were given")
+                    raise ExerciseFailed(_("{what}: you scaled the slices along dim {other}, not along the dim={dim} you were given").format(
+                        what=what, other=other, dim=dim))
         expect_tensor(got, expected, what=what, atol=1e-5)
 
 
@@ -266,7 +273,12 @@ def check_linear(fn) -> None:
     ]
     for x, w, b in cases:
         before = (x.clone(), w.clone(), b.clone())
-        shown = f"x of shape {tuple(x.shape)}, weight of shape {tuple(w.shape)}, bias{', all float64' if x.dtype == torch.float64 else ''}"
+        if x.dtype == torch.float64:
+            shown = _("x of shape {x_shape}, weight of shape {weight_shape}, bias, all float64").format(
+                x_shape=tuple(x.shape), weight_shape=tuple(w.shape))
+        else:
+            shown = _("x of shape {x_shape}, weight of shape {weight_shape}, bias").format(
+                x_shape=tuple(x.shape), weight_shape=tuple(w.shape))
         got = call(fn, x, w, b, name="linear", shown=shown)
         what = f"linear({shown})"
         for old, new in zip(before, (x, w, b)):
@@ -276,10 +288,10 @@ def check_linear(fn) -> None:
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected, atol=1e-5):
             if w0.shape[0] == w0.shape[1] and _same(got, x0 @ w0 + b0, atol=1e-5):
                 raise ExerciseFailed(
-                    f"{what}: you computed x @ weight + bias, but weight is stored as (out_features, in_features): use its transpose, weight.T"
+                    _("{what}: you computed x @ weight + bias, but weight is stored as (out_features, in_features): use its transpose, weight.T").format(what=what)
                 )
             if _same(got, x0 @ w0.T, atol=1e-5):
-                raise ExerciseFailed(f"{what}: the bias is missing: add one bias value to each output feature")
+                raise ExerciseFailed(_("{what}: the bias is missing: add one bias value to each output feature").format(what=what))
         expect_tensor(got, expected, what=what, atol=1e-5)
 
 
@@ -296,7 +308,10 @@ def check_pairwise_sq_distances(fn) -> None:
     ]
     for a, b in cases:
         a_before, b_before = a.clone(), b.clone()
-        shown = f"a of shape {tuple(a.shape)}, b of shape {tuple(b.shape)}{', float64' if a.dtype == torch.float64 else ''}"
+        if a.dtype == torch.float64:
+            shown = _("a of shape {a_shape}, b of shape {b_shape}, float64").format(a_shape=tuple(a.shape), b_shape=tuple(b.shape))
+        else:
+            shown = _("a of shape {a_shape}, b of shape {b_shape}").format(a_shape=tuple(a.shape), b_shape=tuple(b.shape))
         got = call(fn, a, b, name="pairwise_sq_distances", shown=shown)
         what = f"pairwise_sq_distances({shown})"
         expect_unchanged(a_before, a, what="pairwise_sq_distances")
@@ -305,11 +320,12 @@ def check_pairwise_sq_distances(fn) -> None:
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected, atol=1e-4):
             d = a.shape[1]
             if _same(got, expected.sqrt(), atol=1e-4):
-                raise ExerciseFailed(f"{what}: your values are the distances, not their squares")
+                raise ExerciseFailed(_("{what}: your values are the distances, not their squares").format(what=what))
             if d > 1 and _same(got * d, expected, atol=1e-4):
-                raise ExerciseFailed(f"{what}: your values are the squared distances divided by d = {d}: sum over the coordinates, do not average")
+                raise ExerciseFailed(_("{what}: your values are the squared distances divided by d = {d}: sum over the coordinates, do not average").format(
+                    what=what, d=d))
             if got.shape[0] == got.shape[1] and _same(got.T, expected, atol=1e-4):
-                raise ExerciseFailed(f"{what}: entry [i, j] holds the distance from b[i] to a[j]: is it transposed?")
+                raise ExerciseFailed(_("{what}: entry [i, j] holds the distance from b[i] to a[j]: is it transposed?").format(what=what))
         expect_tensor(got, expected, what=what, atol=1e-4, rtol=1e-4)
 
 
@@ -329,54 +345,61 @@ def _batch(seed: int) -> dict:
 @exercise("batch_to")
 def check_batch_to(fn) -> None:
     hints = {
-        "NVIDIA driver": "there is no CUDA GPU here: move tensors with .to(device), to the device you are given",
-        "not compiled with CUDA": "there is no CUDA GPU here: move tensors with .to(device), to the device you are given",
-        "object has no attribute 'to'": "only tensors have .to(); leave other values as they are",
+        "NVIDIA driver": _("there is no CUDA GPU here: move tensors with .to(device), to the device you are given"),
+        "not compiled with CUDA": _("there is no CUDA GPU here: move tensors with .to(device), to the device you are given"),
+        "object has no attribute 'to'": _("only tensors have .to(); leave other values as they are"),
     }
     for device in ("cpu", torch.device("meta")):
         batch = _batch(3)
         originals = dict(batch)
         saved = {k: v.clone() for k, v in batch.items() if isinstance(v, torch.Tensor)}
-        shown = f"a dict of {len(batch)} entries, device={device!r}"
+        shown = _("a dict of {n} entries, device={device!r}").format(n=len(batch), device=device)
         got = call(fn, batch, device, name="batch_to", shown=shown, hints=hints)
         what = f"batch_to({shown})"
         if set(batch) != set(originals) or any(batch[k] is not originals[k] for k in originals):
-            raise ExerciseFailed(f"{what} changed the caller's dict: build and return a new one")
+            raise ExerciseFailed(_("{what} changed the caller's dict: build and return a new one").format(what=what))
         for key, copy in saved.items():
             now = originals[key]
             if now.dtype != copy.dtype or now.device != copy.device or not torch.equal(now, copy):
-                raise ExerciseFailed(f"{what} changed the caller's tensor batch[{key!r}]: .to() gives you a new tensor, leave the old one alone")
+                raise ExerciseFailed(_("{what} changed the caller's tensor batch[{key!r}]: .to() gives you a new tensor, leave the old one alone").format(
+                    what=what, key=key))
         if got is batch:
-            raise ExerciseFailed(f"{what} returned the caller's dict itself: return a new dict")
+            raise ExerciseFailed(_("{what} returned the caller's dict itself: return a new dict").format(what=what))
         if not isinstance(got, dict):
-            raise ExerciseFailed(f"{what} is {a_type(got)}, expected a dict")
+            raise ExerciseFailed(_("{what} is {a_type}, expected a dict").format(what=what, a_type=a_type(got)))
         missing = [k for k in batch if k not in got]
         if missing:
-            raise ExerciseFailed(f"{what} has no {', '.join(map(repr, missing))}: keep every entry, tensor or not")
+            raise ExerciseFailed(_("{what} has no {keys}: keep every entry, tensor or not").format(
+                what=what, keys=", ".join(map(repr, missing))))
         extra = [k for k in got if k not in batch]
         if extra:
-            raise ExerciseFailed(f"{what} has entries the batch did not have: {', '.join(map(repr, extra))}")
+            raise ExerciseFailed(_("{what} has entries the batch did not have: {keys}").format(
+                what=what, keys=", ".join(map(repr, extra))))
         expected = batch_to(batch, device)
         for key, want in expected.items():
             have = got[key]
             item = f"{what}[{key!r}]"
             if not isinstance(want, torch.Tensor):
                 if isinstance(have, torch.Tensor):
-                    raise ExerciseFailed(f"{item} became a tensor; leave values that are not tensors as they are")
+                    raise ExerciseFailed(_("{item} became a tensor; leave values that are not tensors as they are").format(item=item))
                 expect_equal(have, want, what=item)
                 continue
             if not isinstance(have, torch.Tensor):
-                raise ExerciseFailed(f"{item} is {a_type(have)}, expected a tensor")
+                raise ExerciseFailed(_("{item} is {a_type}, expected a tensor").format(item=item, a_type=a_type(have)))
             if have.device.type != want.device.type:
                 raise ExerciseFailed(
-                    f"{item} is on {have.device.type}, expected {want.device.type}: move every tensor to the device you are given "
-                    "(the check uses 'meta', a device every PyTorch has, which keeps shapes and dtypes but no values)"
+                    _("{item} is on {got}, expected {expected}: move every tensor to the device you are given "
+                      "(the check uses 'meta', a device every PyTorch has, which keeps shapes and dtypes but no values)").format(
+                        item=item, got=have.device.type, expected=want.device.type)
                 )
             if not batch[key].is_floating_point() and have.dtype != want.dtype:
-                raise ExerciseFailed(f"{item}: expected dtype {want.dtype}, got {have.dtype}: only floating-point tensors become float32")
+                raise ExerciseFailed(_("{item}: expected dtype {expected}, got {got}: only floating-point tensors become float32").format(
+                    item=item, expected=want.dtype, got=have.dtype))
             if want.device.type == "meta":
                 if have.dtype != want.dtype or have.shape != want.shape:
-                    raise ExerciseFailed(f"{item}: expected {want.dtype} of shape {tuple(want.shape)}, got {have.dtype} of shape {tuple(have.shape)}")
+                    raise ExerciseFailed(_("{item}: expected {expected_dtype} of shape {expected_shape}, got {got_dtype} of shape {got_shape}").format(
+                        item=item, expected_dtype=want.dtype, expected_shape=tuple(want.shape), got_dtype=have.dtype,
+                        got_shape=tuple(have.shape)))
                 continue
             expect_tensor(have, want, what=item)
 
@@ -384,8 +407,8 @@ def check_batch_to(fn) -> None:
 @exercise("target_logits")
 def check_target_logits(fn) -> None:
     hints = {
-        "Index tensor must have the same number of dimensions": "gather's index needs as many dimensions as logits: give targets a last dimension of size 1",
-        "indexing tensors could not be broadcast": "an arange over the rows pairs them with targets only for (B, C) logits; this call has other leading dimensions",
+        "Index tensor must have the same number of dimensions": _("gather's index needs as many dimensions as logits: give targets a last dimension of size 1"),
+        "indexing tensors could not be broadcast": _("an arange over the rows pairs them with targets only for (B, C) logits; this call has other leading dimensions"),
     }
     g = _generator(8)
     cases = [
@@ -402,7 +425,12 @@ def check_target_logits(fn) -> None:
         if targets is None:
             targets = torch.randint(0, shape[-1], shape[:-1], generator=g)
         saved = (logits.clone(), targets.clone())
-        shown = f"logits of shape {shape}{', float64' if dtype == torch.float64 else ''}, targets of shape {tuple(targets.shape)}"
+        if dtype == torch.float64:
+            shown = _("logits of shape {logits_shape}, float64, targets of shape {targets_shape}").format(
+                logits_shape=shape, targets_shape=tuple(targets.shape))
+        else:
+            shown = _("logits of shape {logits_shape}, targets of shape {targets_shape}").format(
+                logits_shape=shape, targets_shape=tuple(targets.shape))
         got = call(fn, logits, targets, name="target_logits", shown=shown, hints=hints)
         what = f"target_logits({shown})"
         expect_unchanged(saved[0], logits, what="target_logits")
@@ -411,26 +439,29 @@ def check_target_logits(fn) -> None:
         expected = target_logits(logits, targets)
         if isinstance(got, torch.Tensor) and got.shape != expected.shape:
             if got.shape == expected.shape + (1,) and _same(got.squeeze(-1), expected):
-                raise ExerciseFailed(f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}: gather keeps the size-1 last dimension of its index; remove it (squeeze(-1))")
+                raise ExerciseFailed(_("{what}: expected shape {expected}, got {got}: gather keeps the size-1 last dimension of its index; remove it (squeeze(-1))").format(
+                    what=what, expected=tuple(expected.shape), got=tuple(got.shape)))
             if got.shape == expected.squeeze().shape and _same(got, expected.squeeze()):
                 raise ExerciseFailed(
-                    f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}: squeeze() without a dim also removed "
-                    "a batch or sequence dimension that happens to be 1 here; squeeze(-1) removes only the one gather added"
+                    _("{what}: expected shape {expected}, got {got}: squeeze() without a dim also removed "
+                      "a batch or sequence dimension that happens to be 1 here; squeeze(-1) removes only the one gather added").format(
+                        what=what, expected=tuple(expected.shape), got=tuple(got.shape))
                 )
             if logits.ndim == 2 and got.shape == (len(targets), len(targets)) and _same(got, logits[:, targets]):
                 raise ExerciseFailed(
-                    f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}: logits[:, targets] pairs every row "
-                    "with every target; pair row i with targets[i] only (gather, or an arange over the rows)"
+                    _("{what}: expected shape {expected}, got {got}: logits[:, targets] pairs every row "
+                      "with every target; pair row i with targets[i] only (gather, or an arange over the rows)").format(
+                        what=what, expected=tuple(expected.shape), got=tuple(got.shape))
                 )
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected):
             if _same(got, logits.amax(dim=-1)):
-                raise ExerciseFailed(f"{what}: your values are the largest logit of each sample, not the logit of its target")
+                raise ExerciseFailed(_("{what}: your values are the largest logit of each sample, not the logit of its target").format(what=what))
             if _same(got, logits.argmax(dim=-1)):
-                raise ExerciseFailed(f"{what}: your values are the predicted classes (argmax), not the logits of the targets")
+                raise ExerciseFailed(_("{what}: your values are the predicted classes (argmax), not the logits of the targets").format(what=what))
             if logits.ndim == 3 and _same(got, logits.gather(1, targets.unsqueeze(1)).squeeze(1)):
                 raise ExerciseFailed(
-                    f"{what}: you gathered along dim 1, which holds the classes only in (B, C) logits: the classes are "
-                    "always the last dimension (dim=-1)"
+                    _("{what}: you gathered along dim 1, which holds the classes only in (B, C) logits: the classes are "
+                      "always the last dimension (dim=-1)").format(what=what)
                 )
         expect_tensor(got, expected, what=what)
 
@@ -447,66 +478,70 @@ def _camera_frames(seed: int, n: int, shape: tuple[int, int], dtype: np.dtype) -
 
 @exercise("record_frames")
 def check_record_frames(fn) -> None:
-    array_first = "camera.read() gives a NumPy array: make a tensor of it first"
+    array_first = _("camera.read() gives a NumPy array: make a tensor of it first")
     hints = {"object has no attribute 'to'": array_first, "object has no attribute 'float'": array_first, "expected Tensor as element": array_first}
     cases = [(np.uint8, (3, 5), 4), (np.float32, (4, 2), 3), (np.float64, (2, 3), 2), (np.float32, (3, 3), 1)]
     for k, (dtype, shape, n) in enumerate(cases):
         frames = _camera_frames(k, n + 2, shape, dtype)
         camera = Camera(frames)
-        shown = f"a camera of {np.dtype(dtype).name} frames of shape {shape}, n={n}"
+        shown = _("a camera of {dtype} frames of shape {shape}, n={n}").format(dtype=np.dtype(dtype).name, shape=shape, n=n)
         got = call(fn, camera, n, name="record_frames", shown=shown, hints=hints)
         what = f"record_frames({shown})"
         if camera.reads != n:
-            raise ExerciseFailed(f"{what} read {camera.reads} frame(s) from the camera, expected {n}: read each frame once")
+            raise ExerciseFailed(_("{what} read {reads} frame(s) from the camera, expected {n}: read each frame once").format(
+                what=what, reads=camera.reads, n=n))
         expected = torch.from_numpy(frames[:n].astype(np.float32))
         if isinstance(got, torch.Tensor) and tuple(got.shape) == (n * shape[0], shape[1]) and n > 1:
             raise ExerciseFailed(
-                f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}: the frames are joined along their rows; "
-                "stack them along a new first dimension"
+                _("{what}: expected shape {expected}, got {got}: the frames are joined along their rows; "
+                  "stack them along a new first dimension").format(what=what, expected=tuple(expected.shape), got=tuple(got.shape))
             )
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected, atol=1e-6) and n > 1:
             last = expected[-1].expand_as(expected)
             if _same(got, last, atol=1e-6) and dtype == np.float32 and k > 0:
                 raise ExerciseFailed(
-                    f"{what}: every frame of your result is the last one read, though uint8 frames worked: a conversion that finds "
-                    "the dtype already right returns the same memory (.float(), .to(torch.float32), torch.as_tensor, np.asarray), so nothing was copied"
+                    _("{what}: every frame of your result is the last one read, though uint8 frames worked: a conversion that finds "
+                      "the dtype already right returns the same memory (.float(), .to(torch.float32), torch.as_tensor, np.asarray), so nothing was copied").format(what=what)
                 )
             if _same(got, last, atol=1e-6):
                 raise ExerciseFailed(
-                    f"{what}: every frame of your result is the last one read: camera.read() returns the same array every time, "
-                    "refilled in place, so whatever keeps that array (a list of it, or torch.from_numpy, which shares its memory) "
-                    "ends up with the last frame only: copy each frame when you read it"
+                    _("{what}: every frame of your result is the last one read: camera.read() returns the same array every time, "
+                      "refilled in place, so whatever keeps that array (a list of it, or torch.from_numpy, which shares its memory) "
+                      "ends up with the last frame only: copy each frame when you read it").format(what=what)
                 )
             if _same(got, expected.flip(0), atol=1e-6):
-                raise ExerciseFailed(f"{what}: the right frames in reverse order: frame 0 is the first one read")
+                raise ExerciseFailed(_("{what}: the right frames in reverse order: frame 0 is the first one read").format(what=what))
             if dtype == np.uint8 and _same(got * 255, expected, atol=1e-3):
-                raise ExerciseFailed(f"{what}: your values are divided by 255: keep the values the camera gives")
+                raise ExerciseFailed(_("{what}: your values are divided by 255: keep the values the camera gives").format(what=what))
         expect_tensor(got, expected, what=what)
         kept = got.clone()
         camera.read()
         if not torch.equal(got, kept):
             raise ExerciseFailed(
-                f"{what}: your result changed when the camera read its next frame: it still shares memory with the camera's array; "
-                "copy each frame"
+                _("{what}: your result changed when the camera read its next frame: it still shares memory with the camera's array; "
+                  "copy each frame").format(what=what)
             )
 
 
 @exercise("image_patches")
 def check_image_patches(fn) -> None:
-    hints = {"is invalid for input of size": "a shape that does not fit this image: work the sizes out from image.shape and p"}
+    hints = {"is invalid for input of size": _("a shape that does not fit this image: work the sizes out from image.shape and p")}
     # Every pixel differs from every other, so each way of scrambling them is told apart. The second image
     # is cut by both 2 and 3, so that a patch size fixed in the code gives patches instead of an error.
     cases = [
-        (torch.arange(48, dtype=torch.float32).view(6, 8) / 4 - 5, 2, ""),
-        (torch.arange(72).view(6, 12), 3, ""),
-        (torch.arange(54).view(6, 9).T, 3, " (a transposed view, not contiguous)"),
-        (torch.arange(15, dtype=torch.float32).view(3, 5), 1, ""),
-        (torch.arange(36, dtype=torch.float64).view(6, 6).T, 6, " (a transposed view, not contiguous)"),
-        (torch.arange(200, 232, dtype=torch.uint8).view(4, 8), 4, ""),
+        (torch.arange(48, dtype=torch.float32).view(6, 8) / 4 - 5, 2, False),
+        (torch.arange(72).view(6, 12), 3, False),
+        (torch.arange(54).view(6, 9).T, 3, True),  # a transposed view, not contiguous
+        (torch.arange(15, dtype=torch.float32).view(3, 5), 1, False),
+        (torch.arange(36, dtype=torch.float64).view(6, 6).T, 6, True),
+        (torch.arange(200, 232, dtype=torch.uint8).view(4, 8), 4, False),
     ]
-    for image, p, note in cases:
+    for image, p, transposed in cases:
         before = image.clone()
-        shown = f"image of shape {tuple(image.shape)}{note}, p={p}"
+        if transposed:
+            shown = _("image of shape {shape} (a transposed view, not contiguous), p={p}").format(shape=tuple(image.shape), p=p)
+        else:
+            shown = _("image of shape {shape}, p={p}").format(shape=tuple(image.shape), p=p)
         got = call(fn, image, p, name="image_patches", shown=shown, hints=hints)
         what = f"image_patches({shown})"
         expect_unchanged(before, image, what="image_patches")
@@ -514,18 +549,20 @@ def check_image_patches(fn) -> None:
         h, w = before.shape
         for q in range(1, min(h, w) + 1):
             if q != p and h % q == 0 and w % q == 0 and isinstance(got, torch.Tensor) and _same(got, image_patches(before, q)):
-                raise ExerciseFailed(f"{what}: your patches are {q}x{q}, whatever p is: cut p x p patches, with the p you are given")
+                raise ExerciseFailed(_("{what}: your patches are {q}x{q}, whatever p is: cut p x p patches, with the p you are given").format(
+                    what=what, q=q))
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and not _same(got, expected):
             if p > 1 and _same(got, before.reshape(-1, p * p)):
                 raise ExerciseFailed(
-                    f"{what}: each row of your result is {p * p} pixels in reading order, which run across several patches: "
-                    "a p x p patch spans p image rows, so reorder the dimensions before you merge them (reshape alone is not permute)"
+                    _("{what}: each row of your result is {n} pixels in reading order, which run across several patches: "
+                      "a p x p patch spans p image rows, so reorder the dimensions before you merge them (reshape alone is not permute)").format(
+                        what=what, n=p * p)
                 )
             if _same(got.reshape(-1, p, p).transpose(1, 2).reshape(-1, p * p), expected):
-                raise ExerciseFailed(f"{what}: each patch is flattened column by column; flatten it row by row")
+                raise ExerciseFailed(_("{what}: each patch is flattened column by column; flatten it row by row").format(what=what))
             if sorted(map(tuple, got.tolist())) == sorted(map(tuple, expected.tolist())):
                 raise ExerciseFailed(
-                    f"{what}: every row is a right patch, but the patches come in another order: "
-                    "left to right along the top, then the next band down"
+                    _("{what}: every row is a right patch, but the patches come in another order: "
+                      "left to right along the top, then the next band down").format(what=what)
                 )
         expect_tensor(got, expected, what=what)

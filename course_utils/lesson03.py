@@ -23,6 +23,7 @@ from course_utils.tooling.checks import (
     expect_unchanged,
     scoreboard_for,
 )
+from course_utils.tooling.language import N_, _
 
 scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
@@ -147,20 +148,21 @@ def load_pretrained(make_model: Callable[[], nn.Module], path: str) -> nn.Module
 
 # ---- layer_shapes -------------------------------------------------------------------------------
 
-_NO_BATCH = "the shapes leave out the batch dimension: keep it first, as model(x) does"
+# The messages are translated when they are shown; N_ marks them for the catalog.
+_NO_BATCH = N_("the shapes leave out the batch dimension: keep it first, as model(x) does")
 _SHAPE_MISTAKES = {
-    "channels": "the channel count does not change at a Conv2d: its output has out_channels channels",
-    "dilation": "the shapes ignore dilation: with dilation d, a kernel of size k spans d * (k - 1) + 1 pixels",
-    "square": "the width uses the height's setting: kernel_size, stride, padding and dilation may be pairs "
-    "(height, width), so read each dimension's own value",
-    "ceil": "the sizes are rounded up: PyTorch rounds the division down (floor, //)",
-    "linear": "a Linear replaced every dimension after the batch: it acts on the last dimension only, the others pass through",
-    "flatten": "Flatten merged every dimension after the batch: it merges its start_dim to its end_dim "
-    "(Flatten(start_dim=2) keeps the channels apart)",
-    "end_dim": "Flatten merged every dimension from its start_dim to the last: it stops at its end_dim "
-    "(Flatten(1, 2) turns (N, C, H, W) into (N, C * H, W))",
-    "pool dilation": "the pooling shapes ignore dilation: MaxPool2d has a dilation too, which spreads its window "
-    "as a Conv2d's (AvgPool2d has none)",
+    "channels": N_("the channel count does not change at a Conv2d: its output has out_channels channels"),
+    "dilation": N_("the shapes ignore dilation: with dilation d, a kernel of size k spans d * (k - 1) + 1 pixels"),
+    "square": N_("the width uses the height's setting: kernel_size, stride, padding and dilation may be pairs "
+                 "(height, width), so read each dimension's own value"),
+    "ceil": N_("the sizes are rounded up: PyTorch rounds the division down (floor, //)"),
+    "linear": N_("a Linear replaced every dimension after the batch: it acts on the last dimension only, the others pass through"),
+    "flatten": N_("Flatten merged every dimension after the batch: it merges its start_dim to its end_dim "
+                  "(Flatten(start_dim=2) keeps the channels apart)"),
+    "end_dim": N_("Flatten merged every dimension from its start_dim to the last: it stops at its end_dim "
+                  "(Flatten(1, 2) turns (N, C, H, W) into (N, C * H, W))"),
+    "pool dilation": N_("the pooling shapes ignore dilation: MaxPool2d has a dilation too, which spreads its window "
+                        "as a Conv2d's (AvgPool2d has none)"),
 }
 
 
@@ -211,15 +213,15 @@ def _shape_models() -> list[tuple[nn.Sequential, tuple[int, ...], str]]:
         nn.Conv2d(3, 5, 3, padding=2), nn.MaxPool2d(3, stride=2, dilation=2), nn.Flatten(1, 2), nn.Linear(11, 6),
     )
     return [
-        (first, (2, 3, 37, 30), "a 9-layer CNN"),
-        (second, (1, 2, 41, 50), "a CNN ending in Flatten(start_dim=2), Linear"),
-        (third, (3, 1, 20, 9), "a CNN with a dilated (4, 3) kernel"),
-        (fourth, (2, 3, 17, 23), "a CNN with a dilated MaxPool2d and Flatten(1, 2)"),
+        (first, (2, 3, 37, 30), _("a 9-layer CNN")),
+        (second, (1, 2, 41, 50), _("a CNN ending in Flatten(start_dim=2), Linear")),
+        (third, (3, 1, 20, 9), _("a CNN with a dilated (4, 3) kernel")),
+        (fourth, (2, 3, 17, 23), _("a CNN with a dilated MaxPool2d and Flatten(1, 2)")),
     ]
 
 
 def _refuse_to_run(module: nn.Module, args: tuple) -> None:
-    raise RuntimeError("layer_shapes must not run the model or its layers: work out each shape from the layers' settings")
+    raise RuntimeError(_("layer_shapes must not run the model or its layers: work out each shape from the layers' settings"))
 
 
 def _run_shapes(model: nn.Sequential, input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -236,22 +238,28 @@ def _run_shapes(model: nn.Sequential, input_shape: tuple[int, ...]) -> list[tupl
 def _as_shapes(got: Any, what: str, n_layers: int, input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """The learner's answer as a list of tuples of ints, or a one-line failure saying what it is instead."""
     if got is None:
-        raise ExerciseFailed(f"{what} is None: did you forget to `return` the list?")
+        raise ExerciseFailed(_("{what} is None: did you forget to `return` the list?").format(what=what))
     if isinstance(got, tuple) and all(isinstance(n, int) for n in got):
-        raise ExerciseFailed(f"{what} is a single shape {tuple(got)}: return a list with one shape per layer")
+        raise ExerciseFailed(_("{what} is a single shape {shape}: return a list with one shape per layer").format(what=what, shape=tuple(got)))
     if not isinstance(got, list):
-        raise ExerciseFailed(f"{what} is {a_type(got)}, expected a list of shapes, one per layer")
+        raise ExerciseFailed(_("{what} is {a_type}, expected a list of shapes, one per layer").format(what=what, a_type=a_type(got)))
     if len(got) == n_layers + 1 and got[0] == tuple(input_shape):
-        raise ExerciseFailed(f"{what} starts with the input's shape: list only what each of the {n_layers} layers returns")
+        raise ExerciseFailed(
+            _("{what} starts with the input's shape: list only what each of the {n_layers} layers returns").format(what=what, n_layers=n_layers)
+        )
     if len(got) != n_layers:
-        raise ExerciseFailed(f"{what} has {len(got)} shapes, expected {n_layers}, one per layer")
+        raise ExerciseFailed(_("{what} has {n} shapes, expected {n_layers}, one per layer").format(what=what, n=len(got), n_layers=n_layers))
     for i, shape in enumerate(got):
         if isinstance(shape, torch.Tensor) or not isinstance(shape, tuple):
-            raise ExerciseFailed(f"{what}[{i}] is {a_type(shape)}, expected a tuple of ints such as (2, 10, 19, 30)")
+            raise ExerciseFailed(
+                _("{what}[{i}] is {a_type}, expected a tuple of ints such as (2, 10, 19, 30)").format(what=what, i=i, a_type=a_type(shape))
+            )
         for n in shape:
             if isinstance(n, bool) or not isinstance(n, int):
-                hint = ": use // (or int()) so sizes stay whole numbers" if isinstance(n, float) else ""
-                raise ExerciseFailed(f"{what}[{i}] = {shape!r} holds {a_type(n)}, expected ints{hint}")
+                hint = _(": use // (or int()) so sizes stay whole numbers") if isinstance(n, float) else ""
+                raise ExerciseFailed(
+                    _("{what}[{i}] = {shape!r} holds {a_type}, expected ints{hint}").format(what=what, i=i, shape=shape, a_type=a_type(n), hint=hint)
+                )
     return [tuple(shape) for shape in got]
 
 
@@ -270,17 +278,20 @@ def check_layer_shapes(fn) -> None:
                 handle.remove()
         expected = _run_shapes(model, input_shape)
         answers.append((model, input_shape, what, _as_shapes(got, what, len(model), input_shape), expected))
-    if all(got[0] == expected[0][1:] for *_, got, expected in answers):
-        raise ExerciseFailed(_NO_BATCH)
+    if all(got[0] == expected[0][1:] for *_rest, got, expected in answers):
+        raise ExerciseFailed(_(_NO_BATCH))
     # A typical mistake is named only when the answer matches it on every hidden model.
     for fault, message in _SHAPE_MISTAKES.items():
-        predicted = [_predict(model, shape, fault) for model, shape, *_ in answers]
-        if predicted != [expected for *_, expected in answers] and predicted == [got for *_, got, _ in answers]:
-            raise ExerciseFailed(message)
-    for model, _, what, got, expected in answers:
+        predicted = [_predict(model, shape, fault) for model, shape, *_rest in answers]
+        if predicted != [expected for *_rest, expected in answers] and predicted == [got for *_rest, got, _expected in answers]:
+            raise ExerciseFailed(_(message))
+    for model, _input_shape, what, got, expected in answers:
         for i, (mine, right) in enumerate(zip(got, expected)):
             if mine != right:
-                raise ExerciseFailed(f"{what}: the output of layer {i}, {model[i]!r}, has shape {right}, got {mine}")
+                raise ExerciseFailed(
+                    _("{what}: the output of layer {i}, {layer!r}, has shape {expected}, got {got}").format(
+                        what=what, i=i, layer=model[i], expected=right, got=mine)
+                )
 
 
 # ---- freeze_all_but_last ------------------------------------------------------------------------
@@ -304,8 +315,8 @@ def _freeze_cases() -> list[tuple[nn.Module, str, str]]:
     model.head[0].requires_grad_(False)  # frozen by the caller earlier: it must end up trainable
     model.eval()
     return [
-        (plain, "a Sequential of 5 layers", "4"),
-        (model, "a model in eval mode with .backbone, .temperature and .head, whose head.0 was frozen", "head"),
+        (plain, _("a Sequential of 5 layers"), "4"),
+        (model, _("a model in eval mode with .backbone, .temperature and .head, whose head.0 was frozen"), "head"),
     ]
 
 
@@ -321,16 +332,18 @@ def _expect_untouched(model: nn.Module, before: dict[str, Any], where: str) -> N
     for name, training in before["modes"].items():
         now = model.get_submodule(name).training
         if now != training:
-            label = f"'{name}'" if name else "the model"
-            raise ExerciseFailed(
-                f"{where} {label} is in {'train' if now else 'eval'} mode, but it was in {'train' if training else 'eval'} mode: "
-                "leave the modes as they were"
-            )
+            label = f"'{name}'" if name else _("the model")
+            if now:
+                message = _("{where} {label} is in train mode, but it was in eval mode: leave the modes as they were")
+            else:
+                message = _("{where} {label} is in eval mode, but it was in train mode: leave the modes as they were")
+            raise ExerciseFailed(message.format(where=where, label=label))
     now = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
     for name, value in before["tensors"].items():
         if name not in now or not torch.equal(now[name].detach(), value):
-            kind = "buffer" if name in dict(model.named_buffers()) else "parameter"
-            raise ExerciseFailed(f"{where} the {kind} {name} changed its values: leave them as they were")
+            if name in dict(model.named_buffers()):
+                raise ExerciseFailed(_("{where} the buffer {name} changed its values: leave them as they were").format(where=where, name=name))
+            raise ExerciseFailed(_("{where} the parameter {name} changed its values: leave them as they were").format(where=where, name=name))
 
 
 @exercise("freeze_all_but_last")
@@ -343,34 +356,39 @@ def check_freeze_all_but_last(fn) -> None:
         flags = {name: p.requires_grad for name, p in model.named_parameters()}
         expected = {name: name.startswith(last + ".") for name in flags}
         trainable = [name for name, flag in flags.items() if flag]
-        where = f"after freeze_all_but_last({shown}),"
+        where = _("after {call},").format(call=f"freeze_all_but_last({shown})")
         if all(flags[name] for name in flags if not expected[name]):
             if isinstance(got, nn.Module) and got is not model:
                 raise ExerciseFailed(
-                    f"{where} nothing in it is frozen, and you returned another model: change `model` itself (requires_grad_ works in place)"
+                    _("{where} nothing in it is frozen, and you returned another model: "
+                      "change `model` itself (requires_grad_ works in place)").format(where=where)
                 )
-            raise ExerciseFailed(f"{where} nothing outside the last child is frozen: set requires_grad to False on those parameters")
+            raise ExerciseFailed(_("{where} nothing outside the last child is frozen: set requires_grad to False on those parameters").format(where=where))
         if not trainable:
-            raise ExerciseFailed(f"{where} every parameter is frozen: the last child's parameters ({last}.*) must stay trainable")
+            raise ExerciseFailed(
+                _("{where} every parameter is frozen: the last child's parameters ({last}.*) must stay trainable").format(where=where, last=last)
+            )
         if trainable == [list(flags)[-1]]:
             raise ExerciseFailed(
-                f"{where} only {trainable[0]} is trainable: list(model.parameters())[-1] is a single tensor, the last layer's bias; "
-                "every parameter of the last child (its weight too) must stay trainable"
+                _("{where} only {name} is trainable: list(model.parameters())[-1] is a single tensor, the last layer's bias; "
+                  "every parameter of the last child (its weight too) must stay trainable").format(where=where, name=trainable[0])
             )
         frozen = next((name for name in flags if expected[name] and not flags[name]), None)
         if frozen:
             raise ExerciseFailed(
-                f"{where} {frozen} is frozen, but it belongs to the last child `{last}` (list(model.children())[-1]): "
-                "every parameter of the last child must end up trainable, even one that was frozen before"
+                _("{where} {name} is frozen, but it belongs to the last child `{last}` (list(model.children())[-1]): "
+                  "every parameter of the last child must end up trainable, even one that was frozen before").format(where=where, name=frozen, last=last)
             )
         if flags.get("temperature"):
             raise ExerciseFailed(
-                f"{where} temperature is still trainable: it is registered on the model itself, in no child, "
-                "so it is not part of the last child and must be frozen too"
+                _("{where} temperature is still trainable: it is registered on the model itself, in no child, "
+                  "so it is not part of the last child and must be frozen too").format(where=where)
             )
         wrong = next((name for name in flags if flags[name] != expected[name]), None)
         if wrong:
-            raise ExerciseFailed(f"{where} {wrong}.requires_grad is {flags[wrong]}, expected {expected[wrong]}")
+            raise ExerciseFailed(
+                _("{where} {name}.requires_grad is {got}, expected {expected}").format(where=where, name=wrong, got=flags[wrong], expected=expected[wrong])
+            )
         _expect_untouched(model, before, where)
 
 
@@ -401,11 +419,11 @@ def _relu_net() -> nn.Module:
     return model
 
 
-_INIT_HINTS = {
-    "'NoneType'": "a layer made with bias=False has bias = None; skip it with `if module.bias is not None`",
-    "fewer than 2 dimensions": "kaiming needs a weight of 2 or more dimensions; only Conv2d and Linear weights are to be initialised",
-    "a leaf Variable that requires grad": "fill parameters inside `with torch.no_grad():` (the torch.nn.init functions do that for you)",
-    "has no attribute 'weight'": "not every module has a weight: act only on Conv2d and Linear layers",
+_INIT_HINTS = {  # the advice is translated when it is shown (checks.error_hint)
+    "'NoneType'": N_("a layer made with bias=False has bias = None; skip it with `if module.bias is not None`"),
+    "fewer than 2 dimensions": N_("kaiming needs a weight of 2 or more dimensions; only Conv2d and Linear weights are to be initialised"),
+    "a leaf Variable that requires grad": N_("fill parameters inside `with torch.no_grad():` (the torch.nn.init functions do that for you)"),
+    "has no attribute 'weight'": N_("not every module has a weight: act only on Conv2d and Linear layers"),
 }
 
 
@@ -428,36 +446,36 @@ def _kaiming_fault(name: str, weight: torch.Tensor) -> str | None:
     target = math.sqrt(2 / fan_in)
     w = weight.detach().double().flatten()
     if not torch.isfinite(w).all():
-        return f"{name}'s weights hold NaN or inf"
+        return _("{name}'s weights hold NaN or inf").format(name=name)
     std = w.std().item()
     limit = 2.2 / math.sqrt(w.numel())  # a true normal sample of this size exceeds this KS distance with p ≈ 1e-4
     if _ks_normal(w / target) < limit and abs(std / target - 1) < 0.05:
         return None
     if std > 0 and w.abs().max().item() <= 1.02 * math.sqrt(3) * std:
-        spread = "kaiming's spread: that is kaiming_uniform_" if abs(std / target - 1) < 0.05 else f"std {std:.4f}"
-        return (
-            f"{name}'s weights are uniform ({spread}); the exercise asks for the normal distribution "
-            f"N(0, std²) with std = sqrt(2 / fan_in) = {target:.4f}"
-        )
+        if abs(std / target - 1) < 0.05:
+            return _("{name}'s weights are uniform (kaiming's spread: that is kaiming_uniform_); the exercise asks for the normal "
+                     "distribution N(0, std²) with std = sqrt(2 / fan_in) = {target:.4f}").format(name=name, target=target)
+        return _("{name}'s weights are uniform (std {std:.4f}); the exercise asks for the normal distribution "
+                 "N(0, std²) with std = sqrt(2 / fan_in) = {target:.4f}").format(name=name, std=std, target=target)
     if std > 0 and _ks_normal((w - w.mean()) / std) < limit:
         gain_one = 1 / math.sqrt(fan_in)
-        causes = [
-            (math.sqrt(2 / fan_out), f"sqrt(2 / fan_out), fan_out = {fan_out}: use mode='fan_in'"),
-            (math.sqrt(2 / (fan_in + fan_out)), "sqrt(2 / (fan_in + fan_out)): that is xavier_normal_, not kaiming"),
-            (gain_one, "sqrt(1 / fan_in): the gain for ReLU is sqrt(2), nonlinearity='relu'"),
-            (5 / 3 * gain_one, "the gain for tanh: for ReLU it is sqrt(2), nonlinearity='relu'"),
-            (1.0, "1: pass the std, or use kaiming_normal_"),
+        causes = [  # (the std a mistake gives, the message naming it)
+            (math.sqrt(2 / fan_out), _("{name}'s weights have std {std:.4f} = sqrt(2 / fan_out), fan_out = {fan_out}: use mode='fan_in'")),
+            (math.sqrt(2 / (fan_in + fan_out)), _("{name}'s weights have std {std:.4f} = sqrt(2 / (fan_in + fan_out)): that is xavier_normal_, not kaiming")),
+            (gain_one, _("{name}'s weights have std {std:.4f} = sqrt(1 / fan_in): the gain for ReLU is sqrt(2), nonlinearity='relu'")),
+            (5 / 3 * gain_one, _("{name}'s weights have std {std:.4f} = the gain for tanh: for ReLU it is sqrt(2), nonlinearity='relu'")),
+            (1.0, _("{name}'s weights have std {std:.4f} = 1: pass the std, or use kaiming_normal_")),
         ]
         if weight.dim() > 2:
-            causes.append((math.sqrt(2 / weight.shape[1]), "sqrt(2 / in_channels): a Conv2d's fan_in is in_channels × kernel height × kernel width"))
-        for value, cause in causes:
+            causes.append((math.sqrt(2 / weight.shape[1]), _("{name}'s weights have std {std:.4f} = sqrt(2 / in_channels): a Conv2d's fan_in "
+                                                             "is in_channels × kernel height × kernel width")))
+        for value, message in causes:
             if abs(std / value - 1) < 0.04:
-                return f"{name}'s weights have std {std:.4f} = {cause}"
-        return f"{name}'s weights are normal with std {std:.4f}, expected sqrt(2 / fan_in) = {target:.4f} (fan_in = {fan_in})"
-    return (
-        f"{name}'s weights do not follow the normal distribution N(0, std²) with std = sqrt(2 / fan_in) = {target:.4f} "
-        f"(got mean {w.mean().item():.4f}, std {std:.4f})"
-    )
+                return message.format(name=name, std=std, fan_out=fan_out)
+        return _("{name}'s weights are normal with std {std:.4f}, expected sqrt(2 / fan_in) = {target:.4f} (fan_in = {fan_in})").format(
+            name=name, std=std, target=target, fan_in=fan_in)
+    return _("{name}'s weights do not follow the normal distribution N(0, std²) with std = sqrt(2 / fan_in) = {target:.4f} "
+             "(got mean {mean:.4f}, std {std:.4f})").format(name=name, target=target, mean=w.mean().item(), std=std)
 
 
 @exercise("init_relu_net")
@@ -466,44 +484,54 @@ def check_init_relu_net(fn) -> None:
         model = _relu_net()
     before = _snapshot(model)
     objects = {name: (p, p.data_ptr(), p.requires_grad) for name, p in model.named_parameters()}
-    shown = "a model with Conv2d, BatchNorm2d, Embedding, Linear and LayerNorm layers"
+    shown = _("a model with Conv2d, BatchNorm2d, Embedding, Linear and LayerNorm layers")
     with _seeded(60):
         got = call(fn, model, shown=shown, hints=_INIT_HINTS)
-    where = f"after init_relu_net({shown}),"
+    where = _("after {call},").format(call=f"init_relu_net({shown})")
     now = dict(model.named_parameters())
     for name, (param, pointer, flag) in objects.items():
         if now.get(name) is not param or param.data_ptr() != pointer:
             raise ExerciseFailed(
-                f"{where} {name} is a new tensor: fill the existing one in place (nn.init's functions do), "
-                "so that an optimiser holding it still sees it"
+                _("{where} {name} is a new tensor: fill the existing one in place (nn.init's functions do), "
+                  "so that an optimiser holding it still sees it").format(where=where, name=name)
             )
         if param.requires_grad != flag:
-            raise ExerciseFailed(f"{where} {name}.requires_grad is {param.requires_grad}, but it was {flag}: leave the flags as they were")
+            raise ExerciseFailed(
+                _("{where} {name}.requires_grad is {got}, but it was {flag}: leave the flags as they were").format(
+                    where=where, name=name, got=param.requires_grad, flag=flag)
+            )
     targets = {"stem": model.stem, "conv": model.conv, "head.1": model.head[1], "head.4": model.head[4]}
     if all(torch.equal(t, before["tensors"][name]) for name, t in model.state_dict().items()):
         if isinstance(got, nn.Module) and got is not model:
-            raise ExerciseFailed(f"{where} the model is unchanged, and you returned another one: change `model` itself, in place")
-        raise ExerciseFailed(f"{where} nothing changed: fill the weights and biases of every Conv2d and Linear, in place")
+            raise ExerciseFailed(_("{where} the model is unchanged, and you returned another one: change `model` itself, in place").format(where=where))
+        raise ExerciseFailed(_("{where} nothing changed: fill the weights and biases of every Conv2d and Linear, in place").format(where=where))
     target_names = {f"{prefix}.{kind}" for prefix in targets for kind in ("weight", "bias")}
     for name, value in model.state_dict().items():
         if name not in target_names and not torch.equal(value, before["tensors"][name]):
-            kind = "buffer" if name in dict(model.named_buffers()) else "parameter"
             owner = name.rpartition(".")[0]
             kind_of_layer = type(model.get_submodule(owner)).__name__
-            layer = f"{'an' if kind_of_layer[0] in 'AEIOU' else 'a'} {kind_of_layer}" if owner else "the model itself, in no layer"
-            raise ExerciseFailed(
-                f"{where} the {kind} {name} changed, and it belongs to {layer}: change only Conv2d and Linear layers"
-            )
+            if owner:
+                layer = (_("an {type}") if kind_of_layer[0] in "AEIOU" else _("a {type}")).format(type=kind_of_layer)
+            else:
+                layer = _("the model itself, in no layer")
+            if name in dict(model.named_buffers()):
+                message = _("{where} the buffer {name} changed, and it belongs to {layer}: change only Conv2d and Linear layers")
+            else:
+                message = _("{where} the parameter {name} changed, and it belongs to {layer}: change only Conv2d and Linear layers")
+            raise ExerciseFailed(message.format(where=where, name=name, layer=layer))
     for prefix, layer in targets.items():
         weight = layer.weight
         if torch.equal(weight, before["tensors"][f"{prefix}.weight"]):
-            raise ExerciseFailed(f"{where} {prefix}.weight still has its old values: every Conv2d and Linear weight is to be filled")
+            raise ExerciseFailed(
+                _("{where} {prefix}.weight still has its old values: every Conv2d and Linear weight is to be filled").format(where=where, prefix=prefix)
+            )
         fault = _kaiming_fault(prefix, weight)
         if fault:
-            raise ExerciseFailed(f"{where} {fault}")
+            raise ExerciseFailed(_("{where} {fault}").format(where=where, fault=fault))
         if layer.bias is not None and not torch.equal(layer.bias, torch.zeros_like(layer.bias)):
-            old = torch.equal(layer.bias, before["tensors"][f"{prefix}.bias"])
-            raise ExerciseFailed(f"{where} {prefix}.bias {'still has its old values' if old else 'is not all zeros'}: biases start at zero")
+            if torch.equal(layer.bias, before["tensors"][f"{prefix}.bias"]):
+                raise ExerciseFailed(_("{where} {prefix}.bias still has its old values: biases start at zero").format(where=where, prefix=prefix))
+            raise ExerciseFailed(_("{where} {prefix}.bias is not all zeros: biases start at zero").format(where=where, prefix=prefix))
 
 
 # ---- make_causal_attention ----------------------------------------------------------------------
@@ -535,24 +563,25 @@ def _attend(x: torch.Tensor, qkv: nn.Linear, proj: nn.Linear, heads: int, fault:
     return out if fault == "no proj" else proj(out)
 
 
+# The messages are translated when they are shown ({what}: the call that built the module); N_ marks them for the catalog.
 _ATTENTION_FAULTS = {
-    "no mask": "there is no causal mask: every position also attends to later ones; hide the scores of keys j > i",
-    "future": "the mask hides the past instead of the future: query i may see keys j <= i, a lower triangle (tril)",
-    "scale E": "the scores are divided by sqrt(embed_dim); each head works on head_dim = embed_dim / num_heads features, "
-    "so divide by sqrt(head_dim)",
-    "no scale": "the scores are not scaled: divide q @ k^T by sqrt(head_dim)",
-    "after softmax": "the mask is applied after the softmax, so the kept weights no longer sum to 1: "
-    "fill the hidden scores with float('-inf') before it",
-    "fill 0": "the hidden scores are set to 0, and exp(0) still gives them weight: fill them with float('-inf')",
-    "split": "the heads are split wrongly: each head takes head_dim of the features at every position, "
-    "so view (N, L, E) as (N, L, num_heads, head_dim), then transpose(1, 2)",
-    "join": "the heads are joined wrongly: transpose (N, num_heads, L, head_dim) back to (N, L, num_heads, head_dim) "
-    "before reshaping to (N, L, E)",
-    "dim -2": "the softmax runs over the queries: each query's weights over the keys must sum to 1, softmax(dim=-1)",
-    "no proj": "proj is never applied: the joined heads go through proj",
+    "no mask": N_("{what}: there is no causal mask: every position also attends to later ones; hide the scores of keys j > i"),
+    "future": N_("{what}: the mask hides the past instead of the future: query i may see keys j <= i, a lower triangle (tril)"),
+    "scale E": N_("{what}: the scores are divided by sqrt(embed_dim); each head works on head_dim = embed_dim / num_heads features, "
+                  "so divide by sqrt(head_dim)"),
+    "no scale": N_("{what}: the scores are not scaled: divide q @ k^T by sqrt(head_dim)"),
+    "after softmax": N_("{what}: the mask is applied after the softmax, so the kept weights no longer sum to 1: "
+                        "fill the hidden scores with float('-inf') before it"),
+    "fill 0": N_("{what}: the hidden scores are set to 0, and exp(0) still gives them weight: fill them with float('-inf')"),
+    "split": N_("{what}: the heads are split wrongly: each head takes head_dim of the features at every position, "
+                "so view (N, L, E) as (N, L, num_heads, head_dim), then transpose(1, 2)"),
+    "join": N_("{what}: the heads are joined wrongly: transpose (N, num_heads, L, head_dim) back to (N, L, num_heads, head_dim) "
+               "before reshaping to (N, L, E)"),
+    "dim -2": N_("{what}: the softmax runs over the queries: each query's weights over the keys must sum to 1, softmax(dim=-1)"),
+    "no proj": N_("{what}: proj is never applied: the joined heads go through proj"),
     **{
-        f"order{''.join(map(str, p))}": "q, k and v are taken from qkv's output in the wrong order: it is q, then k, then v "
-        "(the layout of nn.MultiheadAttention's in_proj_weight)"
+        f"order{''.join(map(str, p))}": N_("{what}: q, k and v are taken from qkv's output in the wrong order: it is q, then k, then v "
+                                           "(the layout of nn.MultiheadAttention's in_proj_weight)")
         for p in itertools.permutations(range(3))
         if p != (0, 1, 2)
     },
@@ -580,12 +609,13 @@ def _expect_attention_layout(module: nn.Module, what: str, e: int, max_len: int)
     for attr, shape in (("qkv", (e, 3 * e)), ("proj", (e, e))):
         layer = getattr(module, attr, None)
         if not isinstance(layer, nn.Linear) or (layer.in_features, layer.out_features) != shape:
-            got = "nothing" if layer is None else repr(layer)
-            raise ExerciseFailed(f"{what}.{attr} is {got}, expected nn.Linear{shape}")
+            if layer is None:
+                raise ExerciseFailed(_("{what}.{attr} is nothing, expected nn.Linear{shape}").format(what=what, attr=attr, shape=shape))
+            raise ExerciseFailed(_("{what}.{attr} is {layer!r}, expected nn.Linear{shape}").format(what=what, attr=attr, layer=layer, shape=shape))
         if layer.bias is None:
-            raise ExerciseFailed(f"{what}.{attr} has no bias: keep the default bias=True, as nn.MultiheadAttention has")
+            raise ExerciseFailed(_("{what}.{attr} has no bias: keep the default bias=True, as nn.MultiheadAttention has").format(what=what, attr=attr))
     if any(isinstance(m, nn.MultiheadAttention) for m in module.modules()):
-        raise ExerciseFailed(f"{what} holds an nn.MultiheadAttention: write the attention yourself")
+        raise ExerciseFailed(_("{what} holds an nn.MultiheadAttention: write the attention yourself").format(what=what))
     params = dict(module.named_parameters())
     wanted = {"qkv.weight", "qkv.bias", "proj.weight", "proj.bias"}
     square = (max_len, max_len)
@@ -597,23 +627,26 @@ def _expect_attention_layout(module: nn.Module, what: str, e: int, max_len: int)
     if extra:
         if any(is_mask(params[name]) for name in extra):
             raise ExerciseFailed(
-                f"{what} registers the mask as a Parameter, which an optimiser would train: use register_buffer"
+                _("{what} registers the mask as a Parameter, which an optimiser would train: use register_buffer").format(what=what)
             )
-        raise ExerciseFailed(f"{what} has parameters besides qkv and proj: {', '.join(extra)}")
+        raise ExerciseFailed(_("{what} has parameters besides qkv and proj: {names}").format(what=what, names=", ".join(extra)))
     buffers = [name for name, b in module.named_buffers() if is_mask(b)]
     if not buffers:
         plain = [name for name, value in vars(module).items() if is_mask(value)]
         if plain:
             raise ExerciseFailed(
-                f"{what} keeps the mask in a plain attribute, {plain[0]}, which .to(device) does not move: register it with register_buffer"
+                _("{what} keeps the mask in a plain attribute, {name}, which .to(device) does not move: "
+                  "register it with register_buffer").format(what=what, name=plain[0])
             )
         raise ExerciseFailed(
-            f"{what} has no buffer of shape {square}: keep the causal mask for up to max_len positions in one (register_buffer)"
+            _("{what} has no buffer of shape {shape}: keep the causal mask for up to max_len positions in one (register_buffer)").format(
+                what=what, shape=square)
         )
     saved = [name for name in module.state_dict() if name not in wanted]
     if saved:
         raise ExerciseFailed(
-            f"{what}'s state_dict holds {saved[0]}: register the mask with persistent=False, so checkpoints hold only the weights"
+            _("{what}'s state_dict holds {name}: register the mask with persistent=False, so checkpoints hold only the weights").format(
+                what=what, name=saved[0])
         )
 
 
@@ -645,35 +678,38 @@ def check_make_causal_attention(fn) -> None:
             with _seeded(9 + length):
                 x = torch.randn(n, length, e)
             x0 = x.clone()
-            shown = f"x of shape {tuple(x.shape)}"
+            shown = _("x of shape {shape}").format(shape=tuple(x.shape))
             try:
                 with _spy_on_sdpa() as sdpa_calls:
-                    got = call(module, x, name=f"{what}'s module", shown=shown, kind="module")
+                    got = call(module, x, name=_("{what}'s module").format(what=what), shown=shown, kind="module")
             except ExerciseFailed as err:
                 if length < max_len and f"({length})" in err.message and f"({max_len})" in err.message:
                     raise ExerciseFailed(
-                        f"{err.message}: the ({max_len}, {max_len}) mask meets ({length}, {length}) scores; "
-                        f"slice it to the sequence, [:L, :L]"
+                        _("{message}: the ({max_len}, {max_len}) mask meets ({length}, {length}) scores; "
+                          "slice it to the sequence, [:L, :L]").format(message=err.message, max_len=max_len, length=length)
                     ) from None
                 raise
             if sdpa_calls:
-                raise ExerciseFailed(f"{what}'s module calls F.scaled_dot_product_attention: write the scores, mask and softmax yourself")
-            expect_unchanged(x0, x, what=f"{what}'s forward")
+                raise ExerciseFailed(
+                    _("{what}'s module calls F.scaled_dot_product_attention: write the scores, mask and softmax yourself").format(what=what)
+                )
+            expect_unchanged(x0, x, what=_("{what}'s forward").format(what=what))
             with torch.no_grad():
                 causal = ~torch.ones(length, length, dtype=torch.bool).tril()
                 expected = reference(x0, x0, x0, attn_mask=causal, need_weights=False)[0]
-            label = f"{what}'s output for {shown}"
+            label = _("{what}'s output for {shown}").format(what=what, shown=shown)
             if isinstance(got, tuple):
-                raise ExerciseFailed(f"{label} is a tuple: return only the output tensor")
+                raise ExerciseFailed(_("{what} is a tuple: return only the output tensor").format(what=label))
             if isinstance(got, torch.Tensor) and got.shape == expected.shape and not torch.allclose(got, expected, atol=1e-5):
                 if length > 1 and torch.isnan(got[:, 0]).any() and not torch.isnan(got[:, 1:]).any():
                     raise ExerciseFailed(
-                        f"{label} is NaN at position 0, which then attends to nothing: each position must see itself too (keep the diagonal)"
+                        _("{what} is NaN at position 0, which then attends to nothing: "
+                          "each position must see itself too (keep the diagonal)").format(what=label)
                     )
                 with torch.no_grad():
                     for fault, message in _ATTENTION_FAULTS.items():
                         if torch.allclose(got.detach(), _attend(x0, module.qkv, module.proj, heads, fault), atol=1e-5):
-                            raise ExerciseFailed(f"{what}: {message}")
+                            raise ExerciseFailed(_(message).format(what=what))
             expect_tensor(got, expected, what=label, atol=1e-5)
 
 
@@ -705,14 +741,21 @@ def _orders(x: torch.Tensor, f: Callable, norm: Callable) -> dict[str, torch.Ten
     }
 
 
-_ORDER_NAMES = {"pre": "the pre-norm order, x + f(norm(x))", "post": "the post-norm order, norm(x + f(x))"}
+# The messages are translated when they are shown ({what}: the call that built the block); N_ marks them for the catalog.
+# Keyed by norm_first: what the block built instead of the order asked for.
+_WRONG_ORDER = {
+    True: N_("{what} built the post-norm order, norm(x + f(x)); norm_first=True asks for the norm first, inside the branch: "
+             "the pre-norm order, x + f(norm(x))"),
+    False: N_("{what} built the pre-norm order, x + f(norm(x)); norm_first=False asks for the norm last, on the sum: "
+              "the post-norm order, norm(x + f(x))"),
+}
 _ORDER_FAULTS = {
-    "normed skip": "adds norm(x) to the branch, norm(x) + f(norm(x)): in pre-norm only f sees the normalised x; "
-    "the skip carries x itself, untouched",
-    "no skip, pre": "returns f(norm(x)) with no skip connection: add x, the residual",
-    "no skip, post": "returns norm(f(x)) with no skip connection: add x before the norm, norm(x + f(x))",
-    "norm of f": "returns x + norm(f(x)), which normalises f's output: pre-norm normalises f's input, post-norm the sum",
-    "norm twice": "applies the norm both to f's input and to the sum, norm(x + f(norm(x))): use one, as norm_first says",
+    "normed skip": N_("{what} adds norm(x) to the branch, norm(x) + f(norm(x)): in pre-norm only f sees the normalised x; "
+                      "the skip carries x itself, untouched"),
+    "no skip, pre": N_("{what} returns f(norm(x)) with no skip connection: add x, the residual"),
+    "no skip, post": N_("{what} returns norm(f(x)) with no skip connection: add x before the norm, norm(x + f(x))"),
+    "norm of f": N_("{what} returns x + norm(f(x)), which normalises f's output: pre-norm normalises f's input, post-norm the sum"),
+    "norm twice": N_("{what} applies the norm both to f's input and to the sum, norm(x + f(norm(x))): use one, as norm_first says"),
 }
 
 
@@ -731,21 +774,24 @@ def _expect_norm_layout(block: nn.Module, f: nn.Module, dim: int, what: str) -> 
     expect_module(block, what=what)
     if not any(m is f for m in block.modules()):
         raise ExerciseFailed(
-            f"{what} does not hold f as a sub-module (block.modules() lacks it), so f's parameters are not the block's: "
-            "assign it as an attribute, self.f = f"
+            _("{what} does not hold f as a sub-module (block.modules() lacks it), so f's parameters are not the block's: "
+              "assign it as an attribute, self.f = f").format(what=what)
         )
     norms = _own_norms(block, f)
     if not norms:
-        raise ExerciseFailed(f"{what} holds no nn.LayerNorm of its own: create self.norm = nn.LayerNorm(dim) in __init__")
+        raise ExerciseFailed(_("{what} holds no nn.LayerNorm of its own: create self.norm = nn.LayerNorm(dim) in __init__").format(what=what))
     for norm in norms:
         if tuple(norm.normalized_shape) != (dim,):
-            raise ExerciseFailed(f"{what}'s LayerNorm normalises over {tuple(norm.normalized_shape)}, expected ({dim},): the last dimension, dim")
+            raise ExerciseFailed(
+                _("{what}'s LayerNorm normalises over {shape}, expected ({dim},): the last dimension, dim").format(
+                    what=what, shape=tuple(norm.normalized_shape), dim=dim)
+            )
         if norm.weight is None:
-            raise ExerciseFailed(f"{what}'s LayerNorm has no learnable scale and shift: keep elementwise_affine=True")
+            raise ExerciseFailed(_("{what}'s LayerNorm has no learnable scale and shift: keep elementwise_affine=True").format(what=what))
     known = {id(p) for p in f.parameters()} | {id(p) for n in norms for p in n.parameters()}
     extra = [name for name, p in block.named_parameters() if id(p) not in known]
     if extra:
-        raise ExerciseFailed(f"{what} has parameters besides f's and its LayerNorm's: {', '.join(extra)}")
+        raise ExerciseFailed(_("{what} has parameters besides f's and its LayerNorm's: {names}").format(what=what, names=", ".join(extra)))
     return norms
 
 
@@ -764,11 +810,14 @@ def check_make_norm_block(fn) -> None:
                 norm.bias.uniform_(-0.5, 0.5)
         x0 = x.clone()
         f.inputs.clear()
-        got = call(block, x, name=f"{what}'s block", shown=f"x of shape {tuple(x.shape)}", kind="module")
-        expect_unchanged(x0, x, what=f"{what}'s forward")
+        shown = _("x of shape {shape}").format(shape=tuple(x.shape))
+        got = call(block, x, name=_("{what}'s block").format(what=what), shown=shown, kind="module")
+        expect_unchanged(x0, x, what=_("{what}'s forward").format(what=what))
         if len(f.inputs) != 1:
-            raise ExerciseFailed(f"{what}'s forward called f {len(f.inputs)} times: call it once per forward")
-        label = f"{what}'s output for x of shape {tuple(x.shape)}"
+            raise ExerciseFailed(
+                _("{what}'s forward called f {n} times: call it once per forward").format(what=what, n=len(f.inputs))
+            )
+        label = _("{what}'s output for {shown}").format(what=what, shown=shown)
         right, wrong = ("pre", "post") if norm_first else ("post", "pre")
         with torch.no_grad():
             candidates = [_orders(x0, f.forward, norm) for norm in norms]  # one set per LayerNorm the block holds
@@ -776,21 +825,22 @@ def check_make_norm_block(fn) -> None:
             expect_tensor(got, candidates[0][right], what=label)  # not a tensor, or the wrong shape: its own line
         if not any(torch.allclose(got, c[right], atol=1e-5) for c in candidates):
             if any(torch.allclose(got, c[wrong], atol=1e-5) for c in candidates):
-                meaning = "the norm first, inside the branch" if norm_first else "the norm last, on the sum"
-                raise ExerciseFailed(f"{what} built {_ORDER_NAMES[wrong]}; norm_first={norm_first} asks for {meaning}: {_ORDER_NAMES[right]}")
+                raise ExerciseFailed(_(_WRONG_ORDER[norm_first]).format(what=what))
             for fault, message in _ORDER_FAULTS.items():
                 if any(torch.allclose(got, c[fault], atol=1e-5) for c in candidates):
-                    raise ExerciseFailed(f"{what} {message}")
+                    raise ExerciseFailed(_(message).format(what=what))
             with torch.no_grad():
                 plain = _orders(x0, f.forward, lambda t: F.layer_norm(t, (dim,)))
             if torch.allclose(got, plain[right], atol=1e-5):
                 raise ExerciseFailed(
-                    f"{what}'s norm ignores the LayerNorm's own weight and bias (a LayerNorm made afresh in forward, "
-                    "or F.layer_norm without them): create self.norm once in __init__ and call it"
+                    _("{what}'s norm ignores the LayerNorm's own weight and bias (a LayerNorm made afresh in forward, "
+                      "or F.layer_norm without them): create self.norm once in __init__ and call it").format(what=what)
                 )
             expect_tensor(got, candidates[0][right], what=label, atol=1e-5)
         if not got.requires_grad:
-            raise ExerciseFailed(f"{label} carries no graph: a block must stay trainable, so do not run it under torch.no_grad()")
+            raise ExerciseFailed(
+                _("{what} carries no graph: a block must stay trainable, so do not run it under torch.no_grad()").format(what=label)
+            )
 
 
 # ---- evaluate -----------------------------------------------------------------------------------
@@ -830,12 +880,13 @@ def _recorder(name: str, seen: list) -> Callable:
     return record
 
 
-_EVAL_HINTS = {
-    "Expected more than 1 value per channel when training": "BatchNorm raises this in train mode only: switch the model to eval mode",
+_EVAL_HINTS = {  # the advice is translated when it is shown (checks.error_hint)
+    "Expected more than 1 value per channel when training": N_("BatchNorm raises this in train mode only: switch the model to eval mode"),
 }
 
 
 def _mode_name(training: bool) -> str:
+    """'train' or 'eval', as model.train() and model.eval() name the mode: code, left in English in every language."""
     return "train" if training else "eval"
 
 
@@ -852,11 +903,11 @@ def check_evaluate(fn) -> None:
             model[0].requires_grad_(False)
 
     scenarios = [  # (modes, batches, right answers per batch, shown, whether the caller tracks gradients)
-        ("train", batches, right, "a model in train mode, batches of 8, 8 and 3", True),
-        ("eval", batches, right, "a model in eval mode, batches of 8, 8 and 3", True),
-        ("mixed", batches, right, "a model in train mode with its BatchNorm in eval mode, batches of 8, 8 and 3", True),
-        ("train", tiny, right_tiny, "a model in train mode, batches of 1 and 5", True),
-        ("train", tiny, right_tiny, "a model in train mode, batches of 1 and 5, called inside the caller's torch.no_grad()", False),
+        ("train", batches, right, _("a model in train mode, batches of 8, 8 and 3"), True),
+        ("eval", batches, right, _("a model in eval mode, batches of 8, 8 and 3"), True),
+        ("mixed", batches, right, _("a model in train mode with its BatchNorm in eval mode, batches of 8, 8 and 3"), True),
+        ("train", tiny, right_tiny, _("a model in train mode, batches of 1 and 5"), True),
+        ("train", tiny, right_tiny, _("a model in train mode, batches of 1 and 5, called inside the caller's torch.no_grad()"), False),
     ]
     for mode, data, right, shown, caller_grad in scenarios:
         set_up(mode)
@@ -873,72 +924,83 @@ def check_evaluate(fn) -> None:
         finally:
             for handle in handles:
                 handle.remove()
-        in_train = next((name for name, training, _ in seen if training), None)
+        in_train = next((name for name, training, _grad in seen if training), None)
         if in_train is not None:
-            layer = f"'{in_train}' ({type(model.get_submodule(in_train)).__name__})" if in_train else "the model"
-            raise ExerciseFailed(f"{what} ran {layer} in train mode: switch the model to eval mode before running it")
-        if any(grad for *_, grad in seen):
-            raise ExerciseFailed(f"{what} ran the model with gradient tracking on: run it under torch.no_grad() (or torch.inference_mode())")
+            layer = f"'{in_train}' ({type(model.get_submodule(in_train)).__name__})" if in_train else _("the model")
+            raise ExerciseFailed(_("{what} ran {layer} in train mode: switch the model to eval mode before running it").format(what=what, layer=layer))
+        if any(grad for *_rest, grad in seen):
+            raise ExerciseFailed(
+                _("{what} ran the model with gradient tracking on: run it under torch.no_grad() (or torch.inference_mode())").format(what=what)
+            )
         if grad_after != caller_grad and caller_grad:
             raise ExerciseFailed(
-                f"{what} left gradient tracking switched off for everything after it: use `with torch.no_grad():`, which ends with its block"
+                _("{what} left gradient tracking switched off for everything after it: "
+                  "use `with torch.no_grad():`, which ends with its block").format(what=what)
             )
         if grad_after != caller_grad:
             raise ExerciseFailed(
-                f"{what} switched gradient tracking on for the code after it, which had it off: put back the setting you found "
-                "(a `with torch.no_grad():` block does; torch.set_grad_enabled(True) does not)"
+                _("{what} switched gradient tracking on for the code after it, which had it off: put back the setting you found "
+                  "(a `with torch.no_grad():` block does; torch.set_grad_enabled(True) does not)").format(what=what)
             )
         for name, training in before["modes"].items():
             now = model.get_submodule(name).training
             if now != training:
-                label = f"'{name}' ({type(model.get_submodule(name)).__name__})" if name else "the model"
+                label = f"'{name}' ({type(model.get_submodule(name)).__name__})" if name else _("the model")
                 advice = (
-                    ": model.train() sets every sub-module; record each module's mode before and put each one back"
+                    _(": model.train() sets every sub-module; record each module's mode before and put each one back")
                     if mode == "mixed"
-                    else f": put back the mode the model had ({_mode_name(training)})"
+                    else _(": put back the mode the model had ({mode})").format(mode=_mode_name(training))
                 )
-                raise ExerciseFailed(
-                    f"after {what}, {label} is in {_mode_name(now)} mode, but it was in {_mode_name(training)} mode{advice}"
-                )
+                if now:
+                    message = _("after {what}, {label} is in train mode, but it was in eval mode{advice}")
+                else:
+                    message = _("after {what}, {label} is in eval mode, but it was in train mode{advice}")
+                raise ExerciseFailed(message.format(what=what, label=label, advice=advice))
         changed = next((name for name, p in model.named_parameters() if p.requires_grad != flags[name]), None)
         if changed:
             raise ExerciseFailed(
-                f"after {what}, {changed}.requires_grad is {not flags[changed]}, but it was {flags[changed]}: "
-                "evaluating must not freeze or unfreeze parameters; torch.no_grad() is enough"
+                _("after {what}, {name}.requires_grad is {got}, but it was {flag}: "
+                  "evaluating must not freeze or unfreeze parameters; torch.no_grad() is enough").format(
+                    what=what, name=changed, got=not flags[changed], flag=flags[changed])
             )
-        _expect_untouched(model, before, f"after {what},")
+        _expect_untouched(model, before, _("after {call},").format(call=what))
         for (x, y), (x0, y0) in zip(inputs, data):
             expect_unchanged(x0, x, what=what)
             expect_unchanged(y0, y, what=what)
-        _expect_accuracy(got, right, [len(y) for _, y in data], what)
+        _expect_accuracy(got, right, [len(y) for _x, y in data], what)
 
 
 def _expect_accuracy(got: Any, right: list[int], sizes: list[int], what: str) -> None:
     correct = sum(right)
     expected = correct / sum(sizes)
     if isinstance(got, torch.Tensor):
-        raise ExerciseFailed(f"{what} is a tensor, expected a Python float: call .item() on it")
+        raise ExerciseFailed(_("{what} is a tensor, expected a Python float: call .item() on it").format(what=what))
     if isinstance(got, np.generic):
-        raise ExerciseFailed(f"{what} is {a_type(got)}, expected a Python float: convert it with float(...)")
+        raise ExerciseFailed(_("{what} is {a_type}, expected a Python float: convert it with float(...)").format(what=what, a_type=a_type(got)))
     if isinstance(got, int) and not isinstance(got, bool) and got == correct:
-        raise ExerciseFailed(f"{what} returned {got}, the number of right predictions: divide it by the number of samples")
+        raise ExerciseFailed(
+            _("{what} returned {got}, the number of right predictions: divide it by the number of samples").format(what=what, got=got)
+        )
     if type(got) is not float:
-        raise ExerciseFailed(f"{what} is {a_type(got)}, expected a Python float")
+        raise ExerciseFailed(_("{what} is {a_type}, expected a Python float").format(what=what, a_type=a_type(got)))
     if abs(got - expected) < 1e-6:
         return
     if abs(got - 100 * expected) < 1e-4:
-        raise ExerciseFailed(f"{what} returned a percentage, {got:.4g}: return the fraction right, between 0 and 1")
+        raise ExerciseFailed(_("{what} returned a percentage, {got:.4g}: return the fraction right, between 0 and 1").format(what=what, got=got))
     if len(set(sizes)) > 1:
         if abs(got - sum(r / n for r, n in zip(right, sizes)) / len(sizes)) < 1e-6:
             raise ExerciseFailed(
-                f"{what} averaged the per-batch accuracies, so the smaller last batch weighs as much as a full one: "
-                "add up the right predictions and the samples over all batches, then divide once"
+                _("{what} averaged the per-batch accuracies, so the smaller last batch weighs as much as a full one: "
+                  "add up the right predictions and the samples over all batches, then divide once").format(what=what)
             )
         if abs(got - correct / (len(sizes) * sizes[0])) < 1e-6:
             raise ExerciseFailed(
-                f"{what} divided by the number of batches times the batch size; the last batch is smaller, so count the samples"
+                _("{what} divided by the number of batches times the batch size; the last batch is smaller, so count the samples").format(what=what)
             )
-    raise ExerciseFailed(f"{what}: expected accuracy {expected:.6f} ({correct} of {sum(sizes)} right), got {got:.6f}")
+    raise ExerciseFailed(
+        _("{what}: expected accuracy {expected:.6f} ({correct} of {total} right), got {got:.6f}").format(
+            what=what, expected=expected, correct=correct, total=sum(sizes), got=got)
+    )
 
 
 # ---- load_pretrained ----------------------------------------------------------------------------
@@ -976,7 +1038,7 @@ def _model_factory(head_name: str, built: list[str], allocated: list[str]) -> Ca
     """The learner's make_model: builds the new model, noting on which device each call builds it, and which of its
     tensors already held memory when load_state_dict came to fill them from the checkpoint."""
 
-    def note_allocated(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    def note_allocated(module: nn.Module, state_dict: dict, prefix: str, *_unused: Any) -> None:
         for name, t in itertools.chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False)):
             if prefix + name in state_dict and not t.is_meta:
                 allocated.append(prefix + name)
@@ -1004,10 +1066,9 @@ def _default_init_fault(name: str, layer: nn.Linear) -> str | None:
             and (kind == "bias" or values.abs().max() >= 0.8 * bound)
         )
         if not fresh:
-            return (
-                f"{name}.{kind} does not hold a new layer's values, uniform within ±{bound:.4f} as a new nn.Linear draws them "
-                f"(got values from {values.min().item():.4g} to {values.max().item():.4g}): after to_empty, call the layer's reset_parameters()"
-            )
+            return _("{name}.{kind} does not hold a new layer's values, uniform within ±{bound:.4f} as a new nn.Linear draws them "
+                     "(got values from {low:.4g} to {high:.4g}): after to_empty, call the layer's reset_parameters()").format(
+                name=name, kind=kind, bound=bound, low=values.min().item(), high=values.max().item())
     return None
 
 
@@ -1017,7 +1078,7 @@ def check_load_pretrained(fn) -> None:
         with _seeded(12 if head_name == "head" else 13):
             checkpoint = _pretrained_checkpoint(head_name, old_head_name)
         old_keys = [k for k in checkpoint if k.startswith(old_head_name + ".")]
-        shown = f"make_model (a new {head_name}), a checkpoint with the body and an old {old_head_name}"
+        shown = _("make_model (a new {head}), a checkpoint with the body and an old {old_head}").format(head=head_name, old_head=old_head_name)
         what = f"load_pretrained({shown})"
         built: list[str] = []
         allocated: list[str] = []
@@ -1027,10 +1088,8 @@ def check_load_pretrained(fn) -> None:
             path = os.path.join(folder, "pretrained.pt")
             torch.save(checkpoint, path)
             default_device = torch.get_default_device()
-            keys_hint = (
-                f"the checkpoint lacks the new {head_name} and holds the old {old_head_name}: "
-                "strict=False loads what matches and reports the rest"
-            )
+            keys_hint = _("the checkpoint lacks the new {head} and holds the old {old_head}: "
+                          "strict=False loads what matches and reports the rest").format(head=head_name, old_head=old_head_name)
             try:
                 with _seeded(14):
                     got = call(fn, make_model, path, shown=shown, hints={
@@ -1042,7 +1101,8 @@ def check_load_pretrained(fn) -> None:
                     torch.set_default_device(None if default_device.type == "cpu" else default_device)
             if left != default_device:
                 raise ExerciseFailed(
-                    f"{what} left the default device at {left}: build inside `with torch.device('meta'):`, which ends with its block"
+                    _("{what} left the default device at {device}: build inside `with torch.device('meta'):`, "
+                      "which ends with its block").format(what=what, device=left)
                 )
             try:
                 _expect_pretrained(got, built, allocated, checkpoint, path, head_name, old_keys, what)
@@ -1054,18 +1114,19 @@ def _expect_pretrained(
     got: Any, built: list[str], allocated: list[str], checkpoint: dict, path: str, head_name: str, old_keys: list[str], what: str
 ) -> None:
     if not built:
-        raise ExerciseFailed(f"{what} never called make_model(): build the model with it")
+        raise ExerciseFailed(_("{what} never called make_model(): build the model with it").format(what=what))
     if len(built) > 1:
-        raise ExerciseFailed(f"{what} called make_model() {len(built)} times: build the model once, on the meta device")
+        raise ExerciseFailed(_("{what} called make_model() {n} times: build the model once, on the meta device").format(what=what, n=len(built)))
     if built[0] != "meta":
         raise ExerciseFailed(
-            f"{what} called make_model() on the {built[0]} device, which allocates and initialises every weight only to "
-            "overwrite it: build it inside `with torch.device('meta'):`"
+            _("{what} called make_model() on the {device} device, which allocates and initialises every weight only to "
+              "overwrite it: build it inside `with torch.device('meta'):`").format(what=what, device=built[0])
         )
     if allocated:
         raise ExerciseFailed(
-            f"{what} gave {allocated[0]} memory before load_state_dict filled it from the checkpoint: that allocates a weight "
-            "the file then overwrites; load first (assign=True), then give memory (to_empty) only to the layers the checkpoint lacks"
+            _("{what} gave {name} memory before load_state_dict filled it from the checkpoint: that allocates a weight "
+              "the file then overwrites; load first (assign=True), then give memory (to_empty) only to the layers "
+              "the checkpoint lacks").format(what=what, name=allocated[0])
         )
     expect_module(got, what=what)
     tensors = dict(itertools.chain(got.named_parameters(), got.named_buffers()))
@@ -1074,12 +1135,13 @@ def _expect_pretrained(
         name = on_meta[0]
         if name in checkpoint:
             raise ExerciseFailed(
-                f"in the model {what} returned, {name} is still on the meta device, though the checkpoint holds it: "
-                "load_state_dict(..., assign=True) makes the checkpoint's tensors the model's (copying into meta tensors does nothing)"
+                _("in the model {what} returned, {name} is still on the meta device, though the checkpoint holds it: "
+                  "load_state_dict(..., assign=True) makes the checkpoint's tensors the model's "
+                  "(copying into meta tensors does nothing)").format(what=what, name=name)
             )
         raise ExerciseFailed(
-            f"in the model {what} returned, {name} is still on the meta device: the checkpoint lacks it, so give its layer "
-            "memory (to_empty) and initialise it (reset_parameters)"
+            _("in the model {what} returned, {name} is still on the meta device: the checkpoint lacks it, so give its layer "
+              "memory (to_empty) and initialise it (reset_parameters)").format(what=what, name=name)
         )
     wanted = [k for k in checkpoint if k not in old_keys]
     params = dict(got.named_parameters())
@@ -1087,30 +1149,39 @@ def _expect_pretrained(
         should_be_params = set(dict(_Finetuned(head_name, _new_head(head_name)).named_parameters()))
     for name in wanted:
         if name not in tensors:
-            raise ExerciseFailed(f"the model {what} returned has no {name}")
+            raise ExerciseFailed(_("the model {what} returned has no {name}").format(what=what, name=name))
         if name in should_be_params and name not in params:
-            raise ExerciseFailed(f"in the model {what} returned, {name} is no longer a parameter: load it with load_state_dict")
+            raise ExerciseFailed(
+                _("in the model {what} returned, {name} is no longer a parameter: load it with load_state_dict").format(what=what, name=name)
+            )
     for name, param in params.items():
         frozen = name.startswith("body.0.")
         if param.requires_grad == frozen:
             raise ExerciseFailed(
-                f"in the model {what} returned, {name}.requires_grad is {param.requires_grad}, but make_model set it to {not frozen}: "
-                "keep the flags the model was built with (load_state_dict(..., assign=True) keeps them)"
+                _("in the model {what} returned, {name}.requires_grad is {got}, but make_model set it to {flag}: "
+                  "keep the flags the model was built with (load_state_dict(..., assign=True) keeps them)").format(
+                    what=what, name=name, got=param.requires_grad, flag=not frozen)
             )
     for name in wanted:
         if tensors[name].dtype != checkpoint[name].dtype or not torch.equal(tensors[name].detach(), checkpoint[name]):
-            kind = "buffer" if name not in params else "parameter"
-            raise ExerciseFailed(f"in the model {what} returned, the {kind} {name} does not hold the checkpoint's values")
+            if name not in params:
+                raise ExerciseFailed(
+                    _("in the model {what} returned, the buffer {name} does not hold the checkpoint's values").format(what=what, name=name)
+                )
+            raise ExerciseFailed(
+                _("in the model {what} returned, the parameter {name} does not hold the checkpoint's values").format(what=what, name=name)
+            )
     mapped = torch.load(path, mmap=True, weights_only=True)
     first = wanted[0]
     offsets = {name: mapped[name].data_ptr() - mapped[first].data_ptr() for name in wanted}
     if any(tensors[name].data_ptr() - tensors[first].data_ptr() != offsets[name] for name in wanted):
         raise ExerciseFailed(
-            f"in the model {what} returned, the weights are not the tensors mapped from the file: load it with "
-            "torch.load(path, mmap=True, weights_only=True) and hand them over with load_state_dict(..., assign=True), which takes them instead of copying"
+            _("in the model {what} returned, the weights are not the tensors mapped from the file: load it with "
+              "torch.load(path, mmap=True, weights_only=True) and hand them over with load_state_dict(..., assign=True), "
+              "which takes them instead of copying").format(what=what)
         )
     for name, module in got.get_submodule(head_name).named_modules(prefix=head_name):
         if isinstance(module, nn.Linear):
             fault = _default_init_fault(name, module)
             if fault:
-                raise ExerciseFailed(f"in the model {what} returned, {fault}")
+                raise ExerciseFailed(_("in the model {what} returned, {fault}").format(what=what, fault=fault))

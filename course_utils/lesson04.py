@@ -36,6 +36,7 @@ from course_utils.tooling.checks import (
     scoreboard_for,
     type_name,
 )
+from course_utils.tooling.language import N_, _
 
 scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
@@ -158,7 +159,7 @@ def share_rows(worker_id: int) -> None:
 def _a(value: Any) -> str:
     """'a tensor of shape (2, 3)', 'an int': a returned value as a message names it."""
     if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
+        return _("a tensor of shape {shape}").format(shape=tuple(value.shape))
     return "None" if value is None else a_type(value)
 
 
@@ -181,7 +182,7 @@ def _write_pictures(root: Path) -> list[dict[str, str]]:
         ("pics/b.png", Image.fromarray(_pixels(4, 6, 2, channels=3), mode="RGB"), "12"),
         ("c.png", Image.fromarray(_pixels(3, 3, 3)), "10"),
     ]
-    for name, image, _ in files:
+    for name, image, _label in files:
         image.save(root / name)
     return [{"filename": name, "label": label, "split": "train"} for name, _, label in files]
 
@@ -195,37 +196,41 @@ def check_read_item(fn) -> None:
         rows = _write_pictures(root)
         table = pd.DataFrame(rows).astype({"label": int})
         # As csv.DictReader gives a row (label a str) and as pandas does (label a numpy integer).
-        cases = [(rows[0], "gray"), (table.iloc[1], "colour (RGB)"), (rows[2], "gray")]
+        cases = [(rows[0], N_("gray")), (table.iloc[1], N_("colour (RGB)")), (rows[2], N_("gray"))]
         for row, kind in cases:
-            what = f"read_item(root, row {row['filename']!r})"
+            shown = _("root, row {filename!r}").format(filename=row["filename"])
+            what = f"read_item({shown})"
             before = dict(row)
             expected_image, expected_label = read_item(root, row)
-            got = call(fn, root, row, shown=f"root, row {row['filename']!r}")
+            got = call(fn, root, row, shown=shown)
             if not isinstance(got, (tuple, list)) or len(got) != 2:
-                raise ExerciseFailed(f"{what} returned {_a(got)}: return a tuple (image, label)")
+                raise ExerciseFailed(_("{what} returned {got}: return a tuple (image, label)").format(what=what, got=_a(got)))
             image, label = got
             if isinstance(image, Image.Image):
-                raise ExerciseFailed(f"{what}: the image is still a PIL image; convert it to a tensor with v2.ToImage() and v2.ToDtype(...)")
+                raise ExerciseFailed(_("{what}: the image is still a PIL image; "
+                                       "convert it to a tensor with v2.ToImage() and v2.ToDtype(...)").format(what=what))
             if isinstance(image, torch.Tensor):
                 if image.dtype == torch.uint8:
-                    raise ExerciseFailed(f"{what}: the image is uint8 with values 0-255: add v2.ToDtype(torch.float32, scale=True)")
+                    raise ExerciseFailed(_("{what}: the image is uint8 with values 0-255: add v2.ToDtype(torch.float32, scale=True)").format(what=what))
                 if image.is_floating_point() and image.numel() and image.max() > 1.5:
-                    raise ExerciseFailed(f"{what}: pixel values go up to {image.max().item():.0f}: pass scale=True to ToDtype so they land in [0, 1]")
+                    raise ExerciseFailed(_("{what}: pixel values go up to {max:.0f}: pass scale=True to ToDtype so they land in [0, 1]").format(
+                        what=what, max=image.max().item()))
                 h, w = expected_image.shape[1:]
                 if tuple(image.shape) == (h, w):
-                    raise ExerciseFailed(f"{what}: the image has shape {(h, w)}, with no channel dimension: v2.ToImage() gives (1, H, W)")
+                    raise ExerciseFailed(_("{what}: the image has shape {shape}, with no channel dimension: v2.ToImage() gives (1, H, W)").format(
+                        what=what, shape=(h, w)))
                 if tuple(image.shape) == (3, h, w):
                     raise ExerciseFailed(
-                        f"{what}: the image has 3 channels because this file is stored in {kind}; "
-                        "convert every image to one gray channel ('L') when you open it"
+                        _("{what}: the image has 3 channels because this file is stored in {kind}; "
+                          "convert every image to one gray channel ('L') when you open it").format(what=what, kind=_(kind))
                     )
             # 1.5 grey levels: v2.Grayscale and Pillow's convert('L') may round a colour pixel differently.
-            expect_tensor(image, expected_image, what=f"{what}'s image", atol=1.5 / 255)
+            expect_tensor(image, expected_image, what=_("{what}'s image").format(what=what), atol=1.5 / 255)
             if isinstance(label, str):
-                raise ExerciseFailed(f"{what}: the label is the string {label!r}: convert it with int()")
-            expect_equal(label, expected_label, what=f"{what}'s label")
+                raise ExerciseFailed(_("{what}: the label is the string {label!r}: convert it with int()").format(what=what, label=label))
+            expect_equal(label, expected_label, what=_("{what}'s label").format(what=what))
             if dict(row) != before:
-                raise ExerciseFailed(f"{what} changed the row it was given: read from it, do not write to it")
+                raise ExerciseFailed(_("{what} changed the row it was given: read from it, do not write to it").format(what=what))
 
 
 # ---- smoothed_targets ---------------------------------------------------------------------------
@@ -245,53 +250,57 @@ def _smoothing_variants(labels: torch.Tensor, num_classes: int, smoothing: float
     index = labels.unsqueeze(1)
     variants = [
         (torch.full((rows, c), eps / (c - 1)).scatter_(1, index, 1 - eps),
-         f"the smoothing is spread over the {c - 1} other classes; here, as in CrossEntropyLoss(label_smoothing=...), it is spread "
-         f"over all {c} classes, the true one included: smoothing / num_classes each, and 1 - smoothing + smoothing / num_classes on the true class"),
+         _("the smoothing is spread over the {others} other classes; here, as in CrossEntropyLoss(label_smoothing=...), it is spread "
+           "over all {classes} classes, the true one included: smoothing / num_classes each, "
+           "and 1 - smoothing + smoothing / num_classes on the true class").format(others=c - 1, classes=c)),
         (torch.full((rows, c), eps / c).scatter_(1, index, 1 - eps),
-         "the true class gets 1 - smoothing, but its own share smoothing / num_classes is missing: each row must sum to 1"),
+         _("the true class gets 1 - smoothing, but its own share smoothing / num_classes is missing: each row must sum to 1")),
         (torch.full((rows, c), eps / c).scatter_(1, index, 1.0),
-         "the true class gets 1, so each row sums to more than 1: it gets 1 - smoothing + smoothing / num_classes"),
-        (torch.zeros(rows, c).scatter_(1, index, 1.0), "these are plain one-hot rows: the smoothing is missing"),
+         _("the true class gets 1, so each row sums to more than 1: it gets 1 - smoothing + smoothing / num_classes")),
+        (torch.zeros(rows, c).scatter_(1, index, 1.0), _("these are plain one-hot rows: the smoothing is missing")),
     ]
     if rows <= c and int(labels.max()) < rows:
         variants.append((torch.full((rows, c), eps / c).scatter_(0, index, 1 - eps + eps / c),
-                         "scatter_ along dim 0 wrote the values down the first column: scatter along dim 1, the classes"))
+                         _("scatter_ along dim 0 wrote the values down the first column: scatter along dim 1, the classes")))
     return [(v, m) for v, m in variants if not torch.allclose(v, smoothed_targets(labels, num_classes, smoothing))]
 
 
 @exercise("smoothed_targets")
 def check_smoothed_targets(fn) -> None:
-    hints = {"Index tensor must have the same number of dimensions": "scatter_'s index needs as many dims as the tensor it writes into: "
-             "labels of shape (B,) become an index of shape (B, 1) with labels.unsqueeze(1)",
-             "out of bounds for dimension 0": "along dim 0 an index picks a row, one per sample; the classes are dim 1",
-             "out of bounds for dimension 1": "a label reached past the last column: make the rows num_classes wide"}
+    hints = {"Index tensor must have the same number of dimensions": N_("scatter_'s index needs as many dims as the tensor it writes into: "
+                                                                        "labels of shape (B,) become an index of shape (B, 1) with labels.unsqueeze(1)"),
+             "out of bounds for dimension 0": N_("along dim 0 an index picks a row, one per sample; the classes are dim 1"),
+             "out of bounds for dimension 1": N_("a label reached past the last column: make the rows num_classes wide")}  # translated by call()
     for values, num_classes, smoothing in _SMOOTHING_CASES:
         labels = torch.tensor(values)
         given = labels.clone()
-        shown = f"labels {values}, num_classes={num_classes}, smoothing={smoothing}"
+        shown = _("labels {labels}, num_classes={num_classes}, smoothing={smoothing}").format(labels=values, num_classes=num_classes, smoothing=smoothing)
         what = f"smoothed_targets({shown})"
         got = call(fn, given, num_classes, smoothing, shown=shown, hints=hints)
         if not torch.equal(given, labels) or given.shape != labels.shape:
-            raise ExerciseFailed(f"{what} changed the labels it was given: leave them as they are")
+            raise ExerciseFailed(_("{what} changed the labels it was given: leave them as they are").format(what=what))
         expected = smoothed_targets(labels, num_classes, smoothing)
         rows = len(values)
         if isinstance(got, torch.Tensor) and got.ndim == 2 and got.shape[0] == rows and got.shape[1] != num_classes:
             width = got.shape[1]
             if width == max(values) + 1:
-                raise ExerciseFailed(f"{what} has {width} columns, max(labels) + 1: the number of classes came from the labels, as F.one_hot "
-                                     f"does without num_classes; make num_classes ({num_classes}) columns")
+                raise ExerciseFailed(_("{what} has {width} columns, max(labels) + 1: the number of classes came from the labels, as F.one_hot "
+                                       "does without num_classes; make num_classes ({num_classes}) columns").format(
+                    what=what, width=width, num_classes=num_classes))
             if width == 10:
-                raise ExerciseFailed(f"{what} has 10 columns, the digits' number of classes: this case has num_classes = {num_classes}")
+                raise ExerciseFailed(_("{what} has 10 columns, the digits' number of classes: this case has num_classes = {num_classes}").format(
+                    what=what, num_classes=num_classes))
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype != torch.float32:
-            hint = " (F.one_hot, for one, gives int64: convert with .float())" if not got.is_floating_point() else ""
-            raise ExerciseFailed(f"{what} has dtype {got.dtype}, expected torch.float32: CrossEntropyLoss takes class probabilities as floats{hint}")
+            hint = _(" (F.one_hot, for one, gives int64: convert with .float())") if not got.is_floating_point() else ""
+            raise ExerciseFailed(_("{what} has dtype {dtype}, expected torch.float32: CrossEntropyLoss takes class probabilities as floats{hint}").format(
+                what=what, dtype=got.dtype, hint=hint))
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and got.is_floating_point():
             for variant, message in _smoothing_variants(labels, num_classes, smoothing):
                 if torch.allclose(got.double(), variant.double(), atol=1e-6):
-                    raise ExerciseFailed(f"{what}: {message}")
+                    raise ExerciseFailed(_("{what}: {problem}").format(what=what, problem=message))
         expect_tensor(got, expected, what=what)
         if got.requires_grad:
-            raise ExerciseFailed(f"{what} requires grad: targets are data, built outside autograd")
+            raise ExerciseFailed(_("{what} requires grad: targets are data, built outside autograd").format(what=what))
 
 
 # ---- folder_dataset -----------------------------------------------------------------------------
@@ -316,7 +325,7 @@ def _write_folder(root: Path) -> dict[str, tuple[torch.Tensor, int]]:
 
 
 def _match_file(image: torch.Tensor, expected: dict[str, tuple[torch.Tensor, int]]) -> str | None:
-    for path, (gray, _) in expected.items():
+    for path, (gray, _label) in expected.items():
         if image.shape == gray.shape and torch.allclose(image.double(), gray.double(), atol=1.5 / 255, rtol=0):
             return path
     return None
@@ -328,56 +337,60 @@ def check_folder_dataset(fn) -> None:
         root = Path(tmp) / "shapes"
         root.mkdir()
         expected = _write_folder(root)
-        what = "folder_dataset(root with 12 class folders '0' to '11')"
-        dataset = call(fn, root, shown="root with 12 class folders '0' to '11'")
+        shown = _("root with 12 class folders '0' to '11'")
+        what = f"folder_dataset({shown})"
+        dataset = call(fn, root, shown=shown)
         if not isinstance(dataset, ImageFolder):
-            raise ExerciseFailed(f"{what} returned {_a(dataset)}, expected a torchvision.datasets.ImageFolder")
+            raise ExerciseFailed(_("{what} returned {got}, expected a torchvision.datasets.ImageFolder").format(what=what, got=_a(dataset)))
         if Path(dataset.root).resolve() != root.resolve():
-            raise ExerciseFailed(f"{what} reads the folder {str(dataset.root)!r}, not the root it was given")
+            raise ExerciseFailed(_("{what} reads the folder {folder!r}, not the root it was given").format(what=what, folder=str(dataset.root)))
         if len(dataset) != len(expected):
-            raise ExerciseFailed(f"{what} holds {len(dataset)} items, expected {len(expected)}: one per image file under root")
+            raise ExerciseFailed(_("{what} holds {n} items, expected {expected}: one per image file under root").format(
+                what=what, n=len(dataset), expected=len(expected)))
         sorted_index = {name: i for i, name in enumerate(sorted(_FOLDER_CLASSES))}
         seen = set()
         for i in range(len(dataset)):
             item = call(dataset.__getitem__, i, name="dataset.__getitem__")
             where = f"{what}[{i}]"
             if not isinstance(item, (tuple, list)) or len(item) != 2:
-                raise ExerciseFailed(f"{where} is {_a(item)}, expected a pair (image, label)")
+                raise ExerciseFailed(_("{what} is {got}, expected a pair (image, label)").format(what=where, got=_a(item)))
             image, label = item
             if isinstance(image, Image.Image):
-                raise ExerciseFailed(f"{where}: the image is a PIL image; give ImageFolder a transform that makes a float tensor")
+                raise ExerciseFailed(_("{what}: the image is a PIL image; give ImageFolder a transform that makes a float tensor").format(what=where))
             if not isinstance(image, torch.Tensor):
-                raise ExerciseFailed(f"{where}: the image is {_a(image)}, expected a torch.Tensor")
+                raise ExerciseFailed(_("{what}: the image is {got}, expected a torch.Tensor").format(what=where, got=_a(image)))
             if image.ndim == 3 and image.shape[0] == 3:
                 raise ExerciseFailed(
-                    f"{where}: the image has 3 channels, shape {tuple(image.shape)}: ImageFolder's default loader opens "
-                    "every file as RGB; make it one gray channel"
+                    _("{what}: the image has 3 channels, shape {shape}: ImageFolder's default loader opens "
+                      "every file as RGB; make it one gray channel").format(what=where, shape=tuple(image.shape))
                 )
             if image.dtype == torch.uint8:
-                raise ExerciseFailed(f"{where}: the image is uint8 with values 0-255, expected float32 in [0, 1]")
+                raise ExerciseFailed(_("{what}: the image is uint8 with values 0-255, expected float32 in [0, 1]").format(what=where))
             if image.is_floating_point() and image.numel() and image.max() > 1.5:
-                raise ExerciseFailed(f"{where}: pixel values go up to {image.max().item():.0f}: scale them to [0, 1] (ToDtype(..., scale=True))")
+                raise ExerciseFailed(_("{what}: pixel values go up to {max:.0f}: scale them to [0, 1] (ToDtype(..., scale=True))").format(
+                    what=where, max=image.max().item()))
             if image.dtype != torch.float32:
-                raise ExerciseFailed(f"{where}: the image has dtype {image.dtype}, expected torch.float32")
+                raise ExerciseFailed(_("{what}: the image has dtype {dtype}, expected torch.float32").format(what=where, dtype=image.dtype))
             if image.ndim != 3 or image.shape[0] != 1:
-                raise ExerciseFailed(f"{where}: the image has shape {tuple(image.shape)}, expected (1, H, W)")
+                raise ExerciseFailed(_("{what}: the image has shape {shape}, expected (1, H, W)").format(what=where, shape=tuple(image.shape)))
             path = _match_file(image, expected)
             if path is None:
-                raise ExerciseFailed(f"{where}: the image matches no file under root, read in gray")
+                raise ExerciseFailed(_("{what}: the image matches no file under root, read in gray").format(what=where))
             seen.add(path)
             gray, number = expected[path]
             folder = Path(path).parent.name
             if isinstance(label, torch.Tensor) and label.numel() == 1:
-                raise ExerciseFailed(f"{where}: the label is a tensor, expected a Python int: return int(...)")
+                raise ExerciseFailed(_("{what}: the label is a tensor, expected a Python int: return int(...)").format(what=where))
             is_number = isinstance(label, (int, np.integer)) and not isinstance(label, bool)
             if is_number and label == sorted_index[folder] and label != number:
                 raise ExerciseFailed(
-                    f"{where}: an image of folder '{folder}' has the label {label}, its position among the folders sorted "
-                    f"as text ('10' comes before '2'); the label must be the folder's number, {number} (target_transform)"
+                    _("{what}: an image of folder '{folder}' has the label {label}, its position among the folders sorted "
+                      "as text ('10' comes before '2'); the label must be the folder's number, {number} (target_transform)").format(
+                        what=where, folder=folder, label=label, number=number)
                 )
-            expect_equal(label, number, what=f"{where}'s label (folder '{folder}')")
+            expect_equal(label, number, what=_("{what}'s label (folder '{folder}')").format(what=where, folder=folder))
         if len(seen) != len(expected):
-            raise ExerciseFailed(f"{what}: {len(expected) - len(seen)} image files never appear among its items")
+            raise ExerciseFailed(_("{what}: {n} image files never appear among its items").format(what=what, n=len(expected) - len(seen)))
         _expect_reaches_workers(dataset, what)
 
 
@@ -400,26 +413,27 @@ def _worker_problem(part: Any) -> str | None:
         data = pickle.dumps(part)
     except Exception as err:  # noqa: BLE001 -- PicklingError, AttributeError or TypeError, by what is unpicklable
         reason = re.sub(r" at 0x[0-9a-f]+", "", first_line(err))
-        why = ": a lambda has no name to look it up by" if "<lambda>" in reason else (
-            ": a function defined inside another has no name a worker can look up" if "local object" in reason else "")
-        return f"cannot be pickled ({type(err).__name__}: {reason}){why}"
+        why = _(": a lambda has no name to look it up by") if "<lambda>" in reason else (
+            _(": a function defined inside another has no name a worker can look up") if "local object" in reason else "")
+        return _("cannot be pickled ({error}: {reason}){why}").format(error=type(err).__name__, reason=reason, why=why)
     try:
         _WorkerUnpickler(io.BytesIO(data)).load()
     except _DefinedInNotebook as err:
-        return (f"refers to {err}, defined in the notebook (__main__): pickle sends it by name, and a worker started by forkserver "
-                "or spawn has no such name, so it fails there with AttributeError")
+        return _("refers to {name}, defined in the notebook (__main__): pickle sends it by name, and a worker started by forkserver "
+                 "or spawn has no such name, so it fails there with AttributeError").format(name=str(err))
     return None
 
 
 def _expect_reaches_workers(dataset: ImageFolder, what: str) -> None:
     """The dataset must survive the trip to a worker process as this notebook starts them (forkserver), part by part."""
-    parts = [("its class", type(dataset)), ("its transform", dataset.transform), ("its target_transform", dataset.target_transform),
-             ("its loader", getattr(dataset, "loader", None)), ("the dataset", dataset)]
+    parts = [(N_("its class"), type(dataset)), (N_("its transform"), dataset.transform), (N_("its target_transform"), dataset.target_transform),
+             (N_("its loader"), getattr(dataset, "loader", None)), (N_("the dataset"), dataset)]
     for name, part in parts:
         problem = _worker_problem(part)
         if problem:
-            raise ExerciseFailed(f"{what}: {name} {problem}; DataLoader workers could not load this dataset: use a function or class "
-                                 "from a module, or a method of a built-in object (a list's or dict's own methods pickle)")
+            raise ExerciseFailed(_("{what}: {part} {problem}; DataLoader workers could not load this dataset: use a function or class "
+                                   "from a module, or a method of a built-in object (a list's or dict's own methods pickle)").format(
+                what=what, part=_(name), problem=problem))
 
 
 # ---- split_train_val ----------------------------------------------------------------------------
@@ -463,7 +477,7 @@ def _pictures(n: int, seed: int) -> tuple[torch.Tensor, list[int]]:
 def _item_at(part: Any, i: int, name: str, what: str) -> tuple[Any, Any]:
     item = call(part.__getitem__, i, name=f"{name}.__getitem__")
     if not isinstance(item, (tuple, list)) or len(item) != 2:
-        raise ExerciseFailed(f"{what}: {name}[{i}] is {_a(item)}, expected a pair (image, label)")
+        raise ExerciseFailed(_("{what}: {part}[{index}] is {got}, expected a pair (image, label)").format(what=what, part=name, index=i, got=_a(item)))
     return item[0], item[1]
 
 
@@ -476,7 +490,8 @@ def _read_part(part: Any, name: str, labels: list[int], what: str) -> list[tuple
         if isinstance(label, torch.Tensor) and label.numel() == 1:
             label = label.item()
         if not isinstance(label, int) or label not in index_of:
-            raise ExerciseFailed(f"{what}: {name}[{i}] has the label {label!r}, which no item of the dataset has")
+            raise ExerciseFailed(_("{what}: {part}[{index}] has the label {label!r}, which no item of the dataset has").format(
+                what=what, part=name, index=i, label=label))
         out.append((i, image, index_of[label]))
     return out
 
@@ -495,16 +510,16 @@ def _is_jittered(got: Any, image: torch.Tensor) -> bool:
 def _parts(got: Any, what: str) -> tuple[Any, Any]:
     """The (train, val) pair a learner returned, each a dataset."""
     if not isinstance(got, (tuple, list)) or len(got) != 2:
-        raise ExerciseFailed(f"{what} returned {_a(got)}: return the pair (train, val)")
+        raise ExerciseFailed(_("{what} returned {got}: return the pair (train, val)").format(what=what, got=_a(got)))
     for part, name in zip(got, ("train", "val")):
         if not (hasattr(part, "__len__") and hasattr(part, "__getitem__")):
-            raise ExerciseFailed(f"{what}: {name} is {_a(part)}, expected a dataset (with __len__ and __getitem__)")
+            raise ExerciseFailed(_("{what}: {part} is {got}, expected a dataset (with __len__ and __getitem__)").format(what=what, part=name, got=_a(part)))
     return got[0], got[1]
 
 
 def _shared_hint(train: Any, val: Any) -> str:
     if isinstance(train, Subset) and isinstance(val, Subset) and train.dataset is val.dataset:
-        return " (both parts are Subsets of one dataset, so they read it with the same transform)"
+        return _(" (both parts are Subsets of one dataset, so they read it with the same transform)")
     return ""
 
 
@@ -518,7 +533,8 @@ def check_split_train_val(fn) -> None:
             return _Pictures(images, labels, transform)
 
         shown = f"make_dataset, {val_fraction}, seed={seed}, train_transform, val_transform"
-        what = f"split_train_val(dataset of {n}, val_fraction={val_fraction}, seed={seed})"
+        described = _("dataset of {n}").format(n=n)
+        what = f"split_train_val({described}, val_fraction={val_fraction}, seed={seed})"
         original = images.clone()
         state = torch.random.get_rng_state()
         train, val = _parts(call(fn, make_dataset, val_fraction, seed, jitter, scale, shown=shown), what)
@@ -526,31 +542,37 @@ def check_split_train_val(fn) -> None:
         n_val = int(val_fraction * n)
         sizes, expected_sizes = [len(train), len(val)], [n - n_val, n_val]
         if sizes != expected_sizes:
-            hint = ": swapped? return (train, val)" if sizes == expected_sizes[::-1] else f" (val gets int({val_fraction} * {n}) items)"
-            raise ExerciseFailed(f"{what}: expected sizes (train, val) {expected_sizes}, got {sizes}{hint}")
+            if sizes == expected_sizes[::-1]:
+                hint = _(": swapped? return (train, val)")
+            else:
+                hint = _(" (val gets int({val_fraction} * {n}) items)").format(val_fraction=val_fraction, n=n)
+            raise ExerciseFailed(_("{what}: expected sizes (train, val) {expected}, got {got}{hint}").format(
+                what=what, expected=expected_sizes, got=sizes, hint=hint))
 
         # Which dataset item each position of a part holds, named by its unique label.
         torch.manual_seed(seed + 1000)
         train_items = _read_part(train, "train", labels, what)
         val_items = _read_part(val, "val", labels, what)
-        train_order, val_order = [k for _, _, k in train_items], [k for _, _, k in val_items]
+        train_order, val_order = [k for _i, _image, k in train_items], [k for _i, _image, k in val_items]
         shared = set(train_order) & set(val_order)
         if shared:
             raise ExerciseFailed(
-                f"{what}: {len(shared)} items are in both parts: the parts come from two different shuffles; take both from one seeded split"
+                _("{what}: {n} items are in both parts: the parts come from two different shuffles; "
+                  "take both from one seeded split").format(what=what, n=len(shared))
             )
         if len(set(train_order)) != len(train_order) or len(set(val_order)) != len(val_order):
-            raise ExerciseFailed(f"{what}: an item appears twice in one part; each item belongs to exactly one part, once")
+            raise ExerciseFailed(_("{what}: an item appears twice in one part; each item belongs to exactly one part, once").format(what=what))
         for i, image, k in val_items:
             expected = scale(images[k])
             if _same_image(image, expected):
                 continue
             if _is_jittered(image, images[k]):
-                raise ExerciseFailed(f"{what}: val[{i}] is augmented: the validation part must be read with val_transform{_shared_hint(train, val)}")
+                raise ExerciseFailed(_("{what}: val[{index}] is augmented: the validation part must be read with val_transform{hint}").format(
+                    what=what, index=i, hint=_shared_hint(train, val)))
             if _same_image(image, images[k]):
-                raise ExerciseFailed(f"{what}: val[{i}] is the raw image: the validation part must apply val_transform")
-            expect_tensor(image, expected, what=f"{what}: val[{i}]'s image")
-        for i, _, k in train_items:
+                raise ExerciseFailed(_("{what}: val[{index}] is the raw image: the validation part must apply val_transform").format(what=what, index=i))
+            expect_tensor(image, expected, what=_("{what}: {part}[{index}]'s image").format(what=what, part="val", index=i))
+        for i, _image, k in train_items:
             torch.manual_seed(seed + 2000 + i)
             image = _item_at(train, i, "train", what)[0]
             torch.manual_seed(seed + 2000 + i)
@@ -559,28 +581,31 @@ def check_split_train_val(fn) -> None:
                 continue
             if _same_image(image, scale(images[k])):
                 raise ExerciseFailed(
-                    f"{what}: train[{i}] is not augmented: the training part must be read with train_transform{_shared_hint(train, val)}"
+                    _("{what}: train[{index}] is not augmented: the training part must be read with train_transform{hint}").format(
+                        what=what, index=i, hint=_shared_hint(train, val))
                 )
             if _same_image(image, images[k]):
-                raise ExerciseFailed(f"{what}: train[{i}] is the raw image: the training part must apply train_transform")
+                raise ExerciseFailed(_("{what}: train[{index}] is the raw image: the training part must apply train_transform").format(what=what, index=i))
             if _is_jittered(image, images[k]):
-                raise ExerciseFailed(f"{what}: train[{i}] is augmented, but not by a fresh call of train_transform each time it is read")
-            expect_tensor(image, expected, what=f"{what}: train[{i}]'s image")
+                raise ExerciseFailed(_("{what}: train[{index}] is augmented, but not by a fresh call of train_transform each time it is read").format(
+                    what=what, index=i))
+            expect_tensor(image, expected, what=_("{what}: {part}[{index}]'s image").format(what=what, part="train", index=i))
         if not torch.equal(images, original):
-            raise ExerciseFailed(f"{what} changed the dataset's images")
+            raise ExerciseFailed(_("{what} changed the dataset's images").format(what=what))
         if train_order + val_order == list(range(n)) or val_order + train_order == list(range(n)):
-            raise ExerciseFailed(f"{what}: the parts hold the items in their original order: shuffle before you split")
+            raise ExerciseFailed(_("{what}: the parts hold the items in their original order: shuffle before you split").format(what=what))
 
         again = _parts(call(fn, make_dataset, val_fraction, seed, jitter, scale, shown=shown), what)
-        if [[k for _, _, k in _read_part(part, name, labels, what)] for part, name in zip(again, ("train", "val"))] != [train_order, val_order]:
-            raise ExerciseFailed(f"{what}: two calls with the same seed gave different splits: seed the split with `seed`")
+        if [[k for _i, _image, k in _read_part(part, name, labels, what)] for part, name in zip(again, ("train", "val"))] != [train_order, val_order]:
+            raise ExerciseFailed(_("{what}: two calls with the same seed gave different splits: seed the split with `seed`").format(what=what))
         if global_rng_touched:
             raise ExerciseFailed(
-                f"{what} changed torch's global random state (torch.manual_seed?): give the split a torch.Generator of its own"
+                _("{what} changed torch's global random state (torch.manual_seed?): give the split a torch.Generator of its own").format(what=what)
             )
         other = _parts(call(fn, make_dataset, val_fraction, seed + 1, jitter, scale, shown=shown), what)
-        if sorted(k for _, _, k in _read_part(other[1], "val", labels, what)) == sorted(val_order):
-            raise ExerciseFailed(f"{what}: seeds {seed} and {seed + 1} gave the same split: the split must depend on seed")
+        if sorted(k for _i, _image, k in _read_part(other[1], "val", labels, what)) == sorted(val_order):
+            raise ExerciseFailed(_("{what}: seeds {seed} and {other_seed} gave the same split: the split must depend on seed").format(
+                what=what, seed=seed, other_seed=seed + 1))
 
 
 # ---- pad_collate --------------------------------------------------------------------------------
@@ -590,7 +615,7 @@ def _sequences(lengths: Sequence[int], labels: Sequence[int], seed: int) -> list
     """Token ids 0-14: token 0 is a real token here, inside and at the end of sequences."""
     generator = torch.Generator().manual_seed(seed)
     batch = [(torch.randint(1, 15, (n,), generator=generator), y) for n, y in zip(lengths, labels)]
-    for i, (tokens, _) in enumerate(batch):
+    for i, (tokens, _label) in enumerate(batch):
         if len(tokens) > 1:
             tokens[i % len(tokens)] = 0
         if i == 0:
@@ -604,44 +629,48 @@ def check_pad_collate(fn) -> None:
     cases = (((3, 6, 1, 4), (11, 0, 4, 11), 0), ((5,), (13,), 1), ((2, 5, 5), (2, 10, 3), 2))
     for lengths, labels, seed in cases:
         batch = _sequences(lengths, labels, seed)
-        shown = f"batch of sequences with lengths {list(lengths)}"
+        shown = _("batch of sequences with lengths {lengths}").format(lengths=list(lengths))
         what = f"pad_collate({shown})"
         given = [(s.clone(), y) for s, y in batch]
         got = call(fn, given, shown=shown)
         if not isinstance(got, (tuple, list)):
-            raise ExerciseFailed(f"{what} returned {_a(got)}: return a tuple (padded, lengths, labels)")
+            raise ExerciseFailed(_("{what} returned {got}: return a tuple (padded, lengths, labels)").format(what=what, got=_a(got)))
         if len(got) != 3:
-            missing = ": the lengths are missing" if len(got) == 2 else ""
-            raise ExerciseFailed(f"{what} returned {len(got)} things, expected 3: (padded, lengths, labels){missing}")
-        if any(not torch.equal(s, original) for (s, _), (original, _) in zip(given, batch)):
-            raise ExerciseFailed(f"{what} changed the sequences it was given: pad copies, not the originals")
+            missing = _(": the lengths are missing") if len(got) == 2 else ""
+            raise ExerciseFailed(_("{what} returned {n} things, expected 3: (padded, lengths, labels){missing}").format(
+                what=what, n=len(got), missing=missing))
+        if any(not torch.equal(s, original) for (s, _label), (original, _original_label) in zip(given, batch)):
+            raise ExerciseFailed(_("{what} changed the sequences it was given: pad copies, not the originals").format(what=what))
         padded, got_lengths, got_labels = got
         expected_padded, expected_lengths, expected_labels = pad_collate(batch)
         batch_size, longest = expected_padded.shape
         if isinstance(padded, torch.Tensor) and tuple(padded.shape) == (longest, batch_size) and batch_size != longest:
-            raise ExerciseFailed(f"{what}: padded has shape {tuple(padded.shape)}, time first: pass batch_first=True to pad_sequence")
-        expect_shape(padded, expected_padded.shape, what=f"{what}'s padded tensor")
+            raise ExerciseFailed(_("{what}: padded has shape {shape}, time first: pass batch_first=True to pad_sequence").format(
+                what=what, shape=tuple(padded.shape)))
+        expect_shape(padded, expected_padded.shape, what=_("{what}'s padded tensor").format(what=what))
         real = torch.arange(longest)[None, :] < expected_lengths[:, None]
         if torch.equal(padded[real], expected_padded[real]) and not torch.equal(padded[~real], expected_padded[~real]):
             value = padded[~real][0].item()
-            raise ExerciseFailed(f"{what}: the padding positions hold {value}, expected 0: use padding_value=0")
+            raise ExerciseFailed(_("{what}: the padding positions hold {value}, expected 0: use padding_value=0").format(what=what, value=value))
         rows = sorted(map(tuple, expected_padded.tolist()))
         if not torch.equal(padded, expected_padded) and sorted(map(tuple, padded.tolist())) == rows:
             raise ExerciseFailed(
-                f"{what}: the rows are reordered; keep the batch order (pack_padded_sequence(..., enforce_sorted=False) takes unsorted batches)"
+                _("{what}: the rows are reordered; keep the batch order "
+                  "(pack_padded_sequence(..., enforce_sorted=False) takes unsorted batches)").format(what=what)
             )
-        expect_tensor(padded, expected_padded, what=f"{what}'s padded tensor")
+        expect_tensor(padded, expected_padded, what=_("{what}'s padded tensor").format(what=what))
         if isinstance(got_lengths, torch.Tensor) and got_lengths.shape == expected_lengths.shape:
             if len(lengths) > 1 and torch.all(got_lengths == longest):
-                raise ExerciseFailed(f"{what}: every length is the padded length {longest}: record len(seq) of each sequence before padding")
+                raise ExerciseFailed(_("{what}: every length is the padded length {longest}: record len(seq) of each sequence before padding").format(
+                    what=what, longest=longest))
             nonzero = (expected_padded != 0).sum(dim=1)
             if torch.equal(got_lengths.long(), nonzero) and not torch.equal(nonzero, expected_lengths):
                 raise ExerciseFailed(
-                    f"{what}: the lengths count the non-zero tokens, but 0 is a real token too (sequence 0 ends in one): "
-                    "take each sequence's length before padding"
+                    _("{what}: the lengths count the non-zero tokens, but 0 is a real token too (sequence 0 ends in one): "
+                      "take each sequence's length before padding").format(what=what)
                 )
-        expect_tensor(got_lengths, expected_lengths, what=f"{what}'s lengths")
-        expect_tensor(got_labels, expected_labels, what=f"{what}'s labels")
+        expect_tensor(got_lengths, expected_lengths, what=_("{what}'s lengths").format(what=what))
+        expect_tensor(got_labels, expected_labels, what=_("{what}'s labels").format(what=what))
 
 
 # ---- balanced_loader ----------------------------------------------------------------------------
@@ -667,11 +696,11 @@ def _drawn(loader: DataLoader, what: str) -> list[int]:
     def one_epoch(loader):
         return [batch for batch in loader]
 
-    batches = call(one_epoch, loader, name="one epoch of your loader", shown="")
+    batches = call(one_epoch, loader, name=_("one epoch of your loader"), shown="")
     drawn = []
     for batch in batches:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2 or not isinstance(batch[0], torch.Tensor):
-            raise ExerciseFailed(f"{what}: a batch is {_a(batch)}, expected the default collation [indices, labels]")
+            raise ExerciseFailed(_("{what}: a batch is {got}, expected the default collation [indices, labels]").format(what=what, got=_a(batch)))
         drawn += batch[0].tolist()
     return drawn
 
@@ -685,68 +714,78 @@ def check_balanced_loader(fn) -> None:
 def _check_balanced(fn, labels: torch.Tensor, batch_size: int, seed: int) -> None:
     n = len(labels)
     dataset = [(i, int(y)) for i, y in enumerate(labels)]
-    what = f"balanced_loader(dataset of {n} in {len(labels.unique())} classes, labels, batch_size={batch_size}, seed={seed})"
-    shown = f"dataset of {n}, labels, batch_size={batch_size}, seed={seed}"
+    described = _("dataset of {n} in {classes} classes").format(n=n, classes=len(labels.unique()))
+    what = f"balanced_loader({described}, labels, batch_size={batch_size}, seed={seed})"
+    shown = _("dataset of {n}").format(n=n) + f", labels, batch_size={batch_size}, seed={seed}"
     given = labels.clone()
     state = torch.random.get_rng_state()
     loader = call(fn, dataset, given, batch_size, seed, shown=shown)
     built_twice = call(fn, dataset, labels.clone(), batch_size, seed, shown=shown)
     global_rng_touched = not torch.equal(torch.random.get_rng_state(), state)
     if not isinstance(loader, DataLoader):
-        raise ExerciseFailed(f"{what} returned {_a(loader)}, expected a torch.utils.data.DataLoader")
+        raise ExerciseFailed(_("{what} returned {got}, expected a torch.utils.data.DataLoader").format(what=what, got=_a(loader)))
     if not torch.equal(given, labels):
-        raise ExerciseFailed(f"{what} changed the labels it was given")
+        raise ExerciseFailed(_("{what} changed the labels it was given").format(what=what))
     if loader.dataset is not dataset:
-        raise ExerciseFailed(f"{what}: the DataLoader does not wrap the dataset it was given")
+        raise ExerciseFailed(_("{what}: the DataLoader does not wrap the dataset it was given").format(what=what))
     # A BatchSampler passed as batch_sampler= holds the batch size and the sampler instead of the loader.
     by_batch_sampler = loader.batch_size is None and loader.batch_sampler is not None
     expect_equal(getattr(loader.batch_sampler, "batch_size", None) if by_batch_sampler else loader.batch_size, batch_size,
-                 what=f"{what}: its batch_size", returned=False)
+                 what=_("{what}: its batch_size").format(what=what), returned=False)
     sampler = getattr(loader.batch_sampler, "sampler", None) if by_batch_sampler else loader.sampler
     if isinstance(sampler, RandomSampler):
-        raise ExerciseFailed(f"{what}: its sampler is a RandomSampler (shuffle=True), which keeps the imbalance; use a WeightedRandomSampler")
+        raise ExerciseFailed(_("{what}: its sampler is a RandomSampler (shuffle=True), which keeps the imbalance; use a WeightedRandomSampler").format(
+            what=what))
     if not isinstance(sampler, WeightedRandomSampler):
-        raise ExerciseFailed(f"{what}: its sampler is a {type_name(sampler)}, expected a WeightedRandomSampler (pass sampler=...)")
+        raise ExerciseFailed(_("{what}: its sampler is a {sampler_type}, expected a WeightedRandomSampler (pass sampler=...)").format(
+            what=what, sampler_type=type_name(sampler)))
     weights = sampler.weights.double()
     counts = torch.bincount(labels).double()
     if weights.shape != (n,):
         if len(weights) == len(counts) or len(weights) == len(labels.unique()):
-            raise ExerciseFailed(f"{what}: the sampler has {len(weights)} weights, one per class; it needs one per sample ({n})")
-        raise ExerciseFailed(f"{what}: the sampler has {len(weights)} weights, expected one per sample ({n})")
+            raise ExerciseFailed(_("{what}: the sampler has {count} weights, one per class; it needs one per sample ({n})").format(
+                what=what, count=len(weights), n=n))
+        raise ExerciseFailed(_("{what}: the sampler has {count} weights, expected one per sample ({n})").format(what=what, count=len(weights), n=n))
     share = weights / weights.sum()
     expected = 1 / counts[labels]
     if torch.allclose(share, counts[labels] / counts[labels].sum()):
-        raise ExerciseFailed(f"{what}: the weights grow with the class's count; a rare class needs a large weight")
+        raise ExerciseFailed(_("{what}: the weights grow with the class's count; a rare class needs a large weight").format(what=what))
     if torch.allclose(share, torch.full_like(share, 1 / n)):
-        raise ExerciseFailed(f"{what}: every sample has the same weight, which keeps the imbalance")
+        raise ExerciseFailed(_("{what}: every sample has the same weight, which keeps the imbalance").format(what=what))
     if not torch.allclose(share, expected / expected.sum()):
         i = int((share - expected / expected.sum()).abs().argmax())
         c = int(labels[i])
         raise ExerciseFailed(
-            f"{what}: the weights do not give every class the same total: e.g. sample {i} (class {c}, {int(counts[c])} samples) "
-            f"gets {share[i].item():.4f} of the total, expected {(expected[i] / expected.sum()).item():.4f}"
+            _("{what}: the weights do not give every class the same total: e.g. sample {index} (class {label}, {count} samples) "
+              "gets {share:.4f} of the total, expected {expected:.4f}").format(
+                what=what, index=i, label=c, count=int(counts[c]), share=share[i].item(), expected=(expected[i] / expected.sum()).item())
         )
     if not sampler.replacement:
-        raise ExerciseFailed(f"{what}: replacement=False draws each sample at most once, so the rare classes run out: use replacement=True")
+        raise ExerciseFailed(_("{what}: replacement=False draws each sample at most once, so the rare classes run out: use replacement=True").format(
+            what=what))
     if sampler.num_samples != n:
-        raise ExerciseFailed(f"{what}: the sampler draws {sampler.num_samples} samples per epoch; an epoch should draw len(labels) = {n}")
+        raise ExerciseFailed(_("{what}: the sampler draws {count} samples per epoch; an epoch should draw len(labels) = {n}").format(
+            what=what, count=sampler.num_samples, n=n))
     if global_rng_touched:
-        raise ExerciseFailed(f"{what} changed torch's global random state (torch.manual_seed?): give the sampler a torch.Generator of its own")
+        raise ExerciseFailed(_("{what} changed torch's global random state (torch.manual_seed?): give the sampler a torch.Generator of its own").format(
+            what=what))
     first, second = _drawn(loader, what), _drawn(built_twice, what)
     if len(first) != n:
         drops = getattr(loader.batch_sampler, "drop_last", False) if by_batch_sampler else loader.drop_last
-        hint = ": drop_last=True drops the last, smaller batch" if drops else ""
-        raise ExerciseFailed(f"{what}: one epoch yielded {len(first)} samples, expected {n}{hint}")
+        hint = _(": drop_last=True drops the last, smaller batch") if drops else ""
+        raise ExerciseFailed(_("{what}: one epoch yielded {count} samples, expected {n}{hint}").format(what=what, count=len(first), n=n, hint=hint))
     if first != second:
         if sampler.generator is None and loader.generator is not None:
             raise ExerciseFailed(
-                f"{what}: two loaders made with the same seed drew different samples: the DataLoader's generator does not "
-                "reach a sampler you pass in; give the WeightedRandomSampler the generator"
+                _("{what}: two loaders made with the same seed drew different samples: the DataLoader's generator does not "
+                  "reach a sampler you pass in; give the WeightedRandomSampler the generator").format(what=what)
             )
-        raise ExerciseFailed(f"{what}: two loaders made with the same seed drew different samples: seed the sampler's own generator with seed")
+        raise ExerciseFailed(_("{what}: two loaders made with the same seed drew different samples: "
+                               "seed the sampler's own generator with seed").format(what=what))
     other = call(fn, dataset, labels.clone(), batch_size, seed + 1, shown=shown)
     if _drawn(other, what) == first:
-        raise ExerciseFailed(f"{what}: seeds {seed} and {seed + 1} drew the same samples: the draws must depend on seed")
+        raise ExerciseFailed(_("{what}: seeds {seed} and {other_seed} drew the same samples: the draws must depend on seed").format(
+            what=what, seed=seed, other_seed=seed + 1))
 
 
 # ---- time_epoch ---------------------------------------------------------------------------------
@@ -806,48 +845,53 @@ def check_time_epoch(fn) -> None:
         step = _SleepyStep(step_delay, dataset)
         loader = DataLoader(dataset, batch_size=2)
         n_batches = math.ceil(n / 2)
-        what = f"time_epoch(loader of {n_batches} batches, step)"
-        got = call(fn, loader, step, shown=f"loader of {n_batches} batches, step")
+        shown = _("loader of {n} batches").format(n=n_batches) + ", step"
+        what = f"time_epoch({shown})"
+        got = call(fn, loader, step, shown=shown)
         if not isinstance(got, (tuple, list)) or len(got) != 2:
-            raise ExerciseFailed(f"{what} returned {_a(got)}: return the pair (load_seconds, step_seconds)")
+            raise ExerciseFailed(_("{what} returned {got}: return the pair (load_seconds, step_seconds)").format(what=what, got=_a(got)))
         expected_batches = [list(range(i, min(i + 2, n))) for i in range(0, n, 2)]
         if dataset.reads > n:
-            raise ExerciseFailed(f"{what} read {dataset.reads} items from a dataset of {n}: go through the loader once, one epoch")
+            raise ExerciseFailed(_("{what} read {reads} items from a dataset of {n}: go through the loader once, one epoch").format(
+                what=what, reads=dataset.reads, n=n))
         if step.batches != expected_batches:
             if len(step.batches) != len(expected_batches):
-                raise ExerciseFailed(f"{what} called step {len(step.batches)} times, expected {len(expected_batches)}: once per batch, the last, smaller one too")
-            raise ExerciseFailed(f"{what} called step with {step.batches}, expected the loader's batches {expected_batches}, in order")
+                raise ExerciseFailed(_("{what} called step {count} times, expected {expected}: once per batch, the last, smaller one too").format(
+                    what=what, count=len(step.batches), expected=len(expected_batches)))
+            raise ExerciseFailed(_("{what} called step with {got}, expected the loader's batches {expected}, in order").format(
+                what=what, got=step.batches, expected=expected_batches))
         # Without workers, the loader reads a batch's items when it is asked for that batch: by step i, batches 0 to i only.
         ahead = next((i for i, reads in enumerate(step.reads_before) if reads > min(2 * (i + 1), n)), None)
         if ahead is not None:
             raise ExerciseFailed(
-                f"{what}: when step(batch {ahead}) began, the loader had already read {step.reads_before[ahead]} of {n} items, later batches' "
-                "too: collecting the batches first (list(loader)) times a loop that never trains while it waits; take one batch, step on it, "
-                "then take the next"
+                _("{what}: when step(batch {batch}) began, the loader had already read {reads} of {n} items, later batches' "
+                  "too: collecting the batches first (list(loader)) times a loop that never trains while it waits; take one batch, step on it, "
+                  "then take the next").format(what=what, batch=ahead, reads=step.reads_before[ahead], n=n)
             )
         for value, name in zip(got, ("load_seconds", "step_seconds")):
             if isinstance(value, torch.Tensor):
-                raise ExerciseFailed(f"{what}: {name} is a tensor, expected a Python float")
+                raise ExerciseFailed(_("{what}: {name} is a tensor, expected a Python float").format(what=what, name=name))
             if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise ExerciseFailed(f"{what}: {name} is {_a(value)}, expected a float (seconds)")
+                raise ExerciseFailed(_("{what}: {name} is {got}, expected a float (seconds)").format(what=what, name=name, got=_a(value)))
         load, stepping = float(got[0]), float(got[1])
         truth_load, truth_step = dataset.seconds, step.seconds
         ok_load, ok_step = _within(load, truth_load, truth_step), _within(stepping, truth_step, truth_load)
         if ok_load and ok_step:
             continue
-        expected = f"expected about ({truth_load:.3f}, {truth_step:.3f}) s, got ({load:.4g}, {stepping:.4g})"
+        expected = _("expected about ({load:.3f}, {step:.3f}) s, got ({got_load:.4g}, {got_step:.4g})").format(
+            load=truth_load, step=truth_step, got_load=load, got_step=stepping)
         if _within(load / 1000, truth_load, truth_step) and _within(stepping / 1000, truth_step, truth_load):
-            raise ExerciseFailed(f"{what}: {expected}: milliseconds? return seconds")
+            raise ExerciseFailed(_("{what}: {expected}: milliseconds? return seconds").format(what=what, expected=expected))
         if _within(load, truth_step, truth_load) and _within(stepping, truth_load, truth_step):
-            raise ExerciseFailed(f"{what}: {expected}: the two are swapped; return (load_seconds, step_seconds)")
+            raise ExerciseFailed(_("{what}: {expected}: the two are swapped; return (load_seconds, step_seconds)").format(what=what, expected=expected))
         if _within(load * n_batches, truth_load, truth_step) or _within(stepping * n_batches, truth_step, truth_load):
-            raise ExerciseFailed(f"{what}: {expected}: an average per batch? return the totals over the epoch")
+            raise ExerciseFailed(_("{what}: {expected}: an average per batch? return the totals over the epoch").format(what=what, expected=expected))
         # Too much, but no more than both parts together: the excess can only be the other part's time.
         if not ok_load and load > truth_load and _at_most(load, truth_load + truth_step):
-            raise ExerciseFailed(f"{what}: {expected}: the loading time includes time spent in step")
+            raise ExerciseFailed(_("{what}: {expected}: the loading time includes time spent in step").format(what=what, expected=expected))
         if not ok_step and stepping > truth_step and _at_most(stepping, truth_step + truth_load):
-            raise ExerciseFailed(f"{what}: {expected}: the step time includes time spent waiting for the loader")
-        raise ExerciseFailed(f"{what}: {expected}")
+            raise ExerciseFailed(_("{what}: {expected}: the step time includes time spent waiting for the loader").format(what=what, expected=expected))
+        raise ExerciseFailed(_("{what}: {expected}").format(what=what, expected=expected))
 
 
 # ---- parallel_loader ----------------------------------------------------------------------------
@@ -913,33 +957,36 @@ def _epoch_of(loader: DataLoader, original: DataLoader, what: str) -> list:
     except Exception as err:  # noqa: BLE001 -- raised by torch for the loader the learner built
         text = str(err)
         lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-        if text.startswith("Caught ") and len(lines) > 1:
-            said = f"raised in a worker process {lines[-1]}"  # the worker's own error, at the end of its traceback
-        else:
-            said = f"raised {type(err).__name__}: {lines[0] if lines else '(no message)'}"
         hint = ""
         if loader.collate_fn is not original.collate_fn and "collate" in text:
-            hint = ": it batches with another collate_fn than the loader's"
-        raise ExerciseFailed(f"{what}: one epoch of it {said}{hint}") from None
+            hint = _(": it batches with another collate_fn than the loader's")
+        if text.startswith("Caught ") and len(lines) > 1:  # the worker's own error, at the end of its traceback
+            message = _("{what}: one epoch of it raised in a worker process {error}{hint}").format(what=what, error=lines[-1], hint=hint)
+        else:
+            message = _("{what}: one epoch of it raised {error}: {message}{hint}").format(
+                what=what, error=type(err).__name__, message=lines[0] if lines else _("(no message)"), hint=hint)
+        raise ExerciseFailed(message) from None
 
 
 def _check_parallel(fn, case: str, workers: int, run: bool) -> None:
     original, twin = _originals(case), _originals(case)
     facts = _loader_facts(original)
-    what = f"parallel_loader(loader ({case}), workers={workers})"
+    shown = f"loader ({_(case)}), workers={workers}"
+    what = f"parallel_loader({shown})"
     with _no_worker_count_warning():
-        got = call(fn, original, workers, shown=f"loader ({case}), workers={workers}")
+        got = call(fn, original, workers, shown=shown)
     try:
         if got is original:
-            raise ExerciseFailed(f"{what} returned the loader it was given: return a new DataLoader")
+            raise ExerciseFailed(_("{what} returned the loader it was given: return a new DataLoader").format(what=what))
         if _loader_facts(original) != facts:
-            raise ExerciseFailed(f"{what} changed the loader it was given: build a new DataLoader and leave that one as it is")
+            raise ExerciseFailed(_("{what} changed the loader it was given: build a new DataLoader and leave that one as it is").format(what=what))
         if not isinstance(got, DataLoader):
-            raise ExerciseFailed(f"{what} returned {_a(got)}, expected a torch.utils.data.DataLoader")
+            raise ExerciseFailed(_("{what} returned {got}, expected a torch.utils.data.DataLoader").format(what=what, got=_a(got)))
         if got.num_workers != workers:
-            raise ExerciseFailed(f"{what}: num_workers is {got.num_workers}, expected {workers}")
+            raise ExerciseFailed(_("{what}: num_workers is {got}, expected {expected}").format(what=what, got=got.num_workers, expected=workers))
         if not got.persistent_workers:
-            raise ExerciseFailed(f"{what}: the workers stop after every epoch and restart at the next: keep them (persistent_workers=True)")
+            raise ExerciseFailed(_("{what}: the workers stop after every epoch and restart at the next: "
+                                   "keep them (persistent_workers=True)").format(what=what))
         if not run:
             return
         with _no_worker_count_warning():
@@ -948,23 +995,27 @@ def _check_parallel(fn, case: str, workers: int, run: bool) -> None:
         expected = [batch for batch in twin]
         if len(first) != len(expected):
             if len(first) == len(expected) + 1 and original.drop_last:
-                raise ExerciseFailed(f"{what}: {len(first)} batches, expected {len(expected)}: the loader drops the last, smaller batch (drop_last)")
-            raise ExerciseFailed(f"{what}: the first epoch has {len(first)} batches, expected {len(expected)}")
+                raise ExerciseFailed(_("{what}: {count} batches, expected {expected}: the loader drops the last, smaller batch (drop_last)").format(
+                    what=what, count=len(first), expected=len(expected)))
+            raise ExerciseFailed(_("{what}: the first epoch has {count} batches, expected {expected}").format(
+                what=what, count=len(first), expected=len(expected)))
         got_batches, expected_batches = _as_lists(first), _as_lists(expected)
         if got_batches != expected_batches:
             same_items = sorted(map(str, got_batches)) == sorted(map(str, expected_batches))
             if got.sampler is not original.sampler and isinstance(got.sampler, RandomSampler):
-                raise ExerciseFailed(f"{what}: the first epoch comes in another order: shuffle=True makes a new sampler; keep the loader's")
+                raise ExerciseFailed(_("{what}: the first epoch comes in another order: shuffle=True makes a new sampler; keep the loader's").format(
+                    what=what))
             uses_sampler = got.sampler is original.sampler or getattr(got.batch_sampler, "sampler", None) is original.sampler
             if uses_sampler and original.generator is not None and got.generator is not original.generator:
                 raise ExerciseFailed(
-                    f"{what}: the first epoch comes in another order: the loader draws a seed for its workers from its "
-                    "generator before it shuffles, so the new loader needs the same generator"
+                    _("{what}: the first epoch comes in another order: the loader draws a seed for its workers from its "
+                      "generator before it shuffles, so the new loader needs the same generator").format(what=what)
                 )
             if not uses_sampler and not same_items:
-                raise ExerciseFailed(f"{what}: the first epoch's batches differ from the loader's: keep its sampler")
+                raise ExerciseFailed(_("{what}: the first epoch's batches differ from the loader's: keep its sampler").format(what=what))
             i = next(i for i, (a, b) in enumerate(zip(got_batches, expected_batches)) if a != b)
-            raise ExerciseFailed(f"{what}: batch {i} of the first epoch is {_short(got_batches[i])}, expected {_short(expected_batches[i])}")
+            raise ExerciseFailed(_("{what}: batch {index} of the first epoch is {got}, expected {expected}").format(
+                what=what, index=i, got=_short(got_batches[i]), expected=_short(expected_batches[i])))
     finally:
         _shut_down(got)
 
@@ -972,8 +1023,8 @@ def _check_parallel(fn, case: str, workers: int, run: bool) -> None:
 @exercise("parallel_loader")
 def check_parallel_loader(fn) -> None:
     try:
-        _check_parallel(fn, "shuffled", workers=3, run=False)
-        _check_parallel(fn, "shuffled", workers=2, run=True)
-        _check_parallel(fn, "weighted sampler, own collate_fn", workers=1, run=True)  # 1: spawn starts each worker slowly
+        _check_parallel(fn, N_("shuffled"), workers=3, run=False)
+        _check_parallel(fn, N_("shuffled"), workers=2, run=True)
+        _check_parallel(fn, N_("weighted sampler, own collate_fn"), workers=1, run=True)  # 1: spawn starts each worker slowly
     finally:
         multiprocessing.active_children()  # reaps any worker that has exited

@@ -26,6 +26,7 @@ from course_utils.tooling.checks import (
     scoreboard_for,
     type_name,
 )
+from course_utils.tooling.language import N_, _, ngettext
 
 scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
@@ -100,7 +101,7 @@ def accumulate_step(model: nn.Module, micro_batches: list[tuple[torch.Tensor, to
                     optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, dtype: torch.dtype, max_norm: float) -> bool:
     """One step over several micro-batches, as one step on all their samples: clipped, skipped on inf/NaN; True if taken."""
     optimizer.zero_grad(set_to_none=True)
-    total = sum(len(targets) for _, targets in micro_batches)
+    total = sum(len(targets) for _inputs, targets in micro_batches)
     for inputs, targets in micro_batches:
         with torch.autocast(device_type=inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = loss_fn(model(inputs), targets) * (len(targets) / total)  # its share of the step's samples
@@ -258,25 +259,26 @@ _RANGE_CASES = [
 
 _RANGE_MISTAKES = [  # (wrong rule, what it gets wrong): the cases tell every rule from the others and from the right one
     (lambda x, d: bool(x.abs().max() <= torch.finfo(d).eps),
-     "you compared with torch.finfo(dtype).eps, the gap between 1.0 and the next number; the largest finite value is torch.finfo(dtype).max"),
+     N_("you compared with torch.finfo(dtype).eps, the gap between 1.0 and the next number; "
+        "the largest finite value is torch.finfo(dtype).max")),
     (lambda x, d: bool(x.abs().max() <= torch.finfo(d).tiny),
-     "you compared with torch.finfo(dtype).tiny, the smallest normal number; the largest finite value is torch.finfo(dtype).max"),
+     N_("you compared with torch.finfo(dtype).tiny, the smallest normal number; the largest finite value is torch.finfo(dtype).max")),
     (lambda x, d: bool(x.max() <= torch.finfo(d).max),
-     "a large negative value overflows too: compare the magnitude, x.abs().max(), with torch.finfo(dtype).max"),
+     N_("a large negative value overflows too: compare the magnitude, x.abs().max(), with torch.finfo(dtype).max")),
     (lambda x, d: bool(x.abs().max() < torch.finfo(d).max),
-     "torch.finfo(dtype).max itself fits: use <=, not <"),
+     N_("torch.finfo(dtype).max itself fits: use <=, not <")),
     (lambda x, d: bool(x.abs().max() <= 65504),
-     "65504 is float16's limit only: read the limit of the dtype you were given from torch.finfo(dtype).max"),
+     N_("65504 is float16's limit only: read the limit of the dtype you were given from torch.finfo(dtype).max")),
     (lambda x, d: bool(x.abs().max() <= torch.finfo(torch.bfloat16).max),
-     "you compared every dtype with bfloat16's limit, torch.finfo(torch.bfloat16).max: read the limit of the dtype you were given"),
+     N_("you compared every dtype with bfloat16's limit, torch.finfo(torch.bfloat16).max: read the limit of the dtype you were given")),
     (lambda x, d: bool(x.abs().max() <= torch.finfo(torch.float32).max),
-     "you compared every dtype with float32's limit, torch.finfo(torch.float32).max: read the limit of the dtype you were given"),
+     N_("you compared every dtype with float32's limit, torch.finfo(torch.float32).max: read the limit of the dtype you were given")),
     (lambda x, d: bool(x.abs().max() <= torch.finfo(x.dtype).max),
-     "you read the limit of x's own dtype, torch.finfo(x.dtype).max: the limit that matters is the target's, torch.finfo(dtype).max"),
+     N_("you read the limit of x's own dtype, torch.finfo(x.dtype).max: the limit that matters is the target's, torch.finfo(dtype).max")),
     (lambda x, d: bool(x.abs().sum() <= torch.finfo(d).max),
-     "you compared the sum of the magnitudes with the limit: each value is cast on its own, so only the largest magnitude matters"),
+     N_("you compared the sum of the magnitudes with the limit: each value is cast on its own, so only the largest magnitude matters")),
     (lambda x, d: not bool(x.abs().max() <= torch.finfo(d).max),
-     "your function returns True when a value overflows and False when every value fits: the opposite of what is asked"),
+     N_("your function returns True when a value overflows and False when every value fits: the opposite of what is asked")),
 ]
 
 
@@ -284,10 +286,12 @@ def _range_reason(x: torch.Tensor, dtype: torch.dtype, fits: bool) -> str:
     """Why x does or does not fit: its largest magnitude against the dtype's limit, named."""
     peak, limit = x.abs().max().item(), torch.finfo(dtype).max
     if fits:
-        return f"its largest magnitude, {peak:.6g}, is at most torch.finfo({dtype}).max = {limit:.6g}"
+        return _("its largest magnitude, {peak:.6g}, is at most torch.finfo({dtype}).max = {limit:.6g}").format(
+            peak=peak, dtype=dtype, limit=limit)
     if math.isinf(peak):
-        return "x already holds an inf, which stays inf in any float dtype: it does not fit"
-    return f"|{peak:.6g}| is above torch.finfo({dtype}).max = {limit:.6g}, so the cast gives inf"
+        return _("x already holds an inf, which stays inf in any float dtype: it does not fit")
+    return _("|{peak:.6g}| is above torch.finfo({dtype}).max = {limit:.6g}, so the cast gives inf").format(
+        peak=peak, dtype=dtype, limit=limit)
 
 
 def _counts_tiny_values(fn: Callable) -> bool:
@@ -299,7 +303,9 @@ def _counts_tiny_values(fn: Callable) -> bool:
 
 
 def _shown_tensor(x: torch.Tensor) -> str:
-    return f"torch.tensor({x.tolist()})" + (f" (shape {tuple(x.shape)})" if x.dim() != 1 else "")
+    if x.dim() == 1:
+        return f"torch.tensor({x.tolist()})"
+    return _("torch.tensor({values}) (shape {shape})").format(values=x.tolist(), shape=tuple(x.shape))
 
 
 @exercise("fits_in_range")
@@ -312,20 +318,26 @@ def check_fits_in_range(fn) -> None:
         try:
             got = call(fn, given, dtype, shown=f"{_shown_tensor(x)}, {dtype}")
         except ExerciseFailed as err:
-            if x.dim() == 1 or " raised " not in str(err) or not answers:
+            # err.__context__: what the learner's function raised (call() says "raised" in the learner's language)
+            if x.dim() == 1 or err.__context__ is None or not answers:
                 raise
-            raise ExerciseFailed(f"{err} (x here is {x.dim()}-D, and your function ran on the 1-D tensors before it: "
-                                 "x can have any shape, so work on the tensor as a whole, e.g. x.abs().max())") from None
+            raise ExerciseFailed(_("{error} (x here is {dim}-D, and your function ran on the 1-D tensors before it: "
+                                   "x can have any shape, so work on the tensor as a whole, e.g. x.abs().max())").format(
+                error=err, dim=x.dim())) from None
         if given.dtype != before.dtype:
-            raise ExerciseFailed(f"{what} changed the caller's tensor x (now {_short(given.dtype)} {given.tolist()}): "
-                                 "only read it; compare a copy, not x itself cast in place")
+            raise ExerciseFailed(_("{what} changed the caller's tensor x (now {dtype} {values}): "
+                                   "only read it; compare a copy, not x itself cast in place").format(
+                what=what, dtype=_short(given.dtype), values=given.tolist()))
         if not torch.equal(given, before):
-            raise ExerciseFailed(f"{what} changed the values of the caller's tensor x in place (now {given.tolist()}): "
-                                 "only read it; use out-of-place operations such as x.abs(), not x.abs_()")
+            raise ExerciseFailed(_("{what} changed the values of the caller's tensor x in place (now {values}): "
+                                   "only read it; use out-of-place operations such as x.abs(), not x.abs_()").format(
+                what=what, values=given.tolist()))
         if isinstance(got, torch.Tensor):
-            raise ExerciseFailed(f"{what} is a tensor, expected a Python bool: wrap the comparison in bool(...) or call .item()")
+            raise ExerciseFailed(_("{what} is a tensor, expected a Python bool: wrap the comparison in bool(...) or call .item()").format(
+                what=what))
         if isinstance(got, (np.generic, np.ndarray)):
-            raise ExerciseFailed(f"{what} is a {type_name(got)}, expected a Python bool: wrap it in bool(...)")
+            raise ExerciseFailed(_("{what} is a {type}, expected a Python bool: wrap it in bool(...)").format(
+                what=what, type=type_name(got)))
         if not isinstance(got, bool):
             expect_equal(got, fits_in_range(x.clone(), dtype), what=what)
         answers.append(got)
@@ -334,14 +346,14 @@ def check_fits_in_range(fn) -> None:
         return
     for rule, message in _RANGE_MISTAKES:
         if answers == [rule(x, d) for x, d in _RANGE_CASES]:
-            raise ExerciseFailed(message)
+            raise ExerciseFailed(_(message))
     probe = lambda x, d: call(fn, x, d, shown=f"{_shown_tensor(x)}, {d}")
     if _counts_tiny_values(probe):
-        raise ExerciseFailed("values far below finfo(dtype).tiny do not overflow (they round to a subnormal or to 0), yet your "
-                             "function rejects them: only magnitudes above torch.finfo(dtype).max count against x")
+        raise ExerciseFailed(_("values far below finfo(dtype).tiny do not overflow (they round to a subnormal or to 0), yet your "
+                               "function rejects them: only magnitudes above torch.finfo(dtype).max count against x"))
     (x, dtype), got, want = next((case, a, e) for case, a, e in zip(_RANGE_CASES, answers, expected) if a != e)
-    raise ExerciseFailed(f"fits_in_range({_shown_tensor(x)}, {dtype}) returned {got}, expected {want}: "
-                         f"{_range_reason(x, dtype, want)}")
+    raise ExerciseFailed(_("{call} returned {got}, expected {expected}: {reason}").format(
+        call=f"fits_in_range({_shown_tensor(x)}, {dtype})", got=got, expected=want, reason=_range_reason(x, dtype, want)))
 
 
 # run_in_float32: the check hands the learner's function a probe of its own as fn. The probe records the autocast
@@ -388,9 +400,9 @@ class _Probe:
             "requires_grad": [isinstance(a, torch.Tensor) and a.requires_grad for a in args],
         })
         if self.raises:
-            raise _ProbeError("fn raised (as the check's fn does on purpose)")
+            raise _ProbeError(_("fn raised (as the check's fn does on purpose)"))
         if len(args) != 4:
-            raise TypeError(f"fn takes 4 arguments ({', '.join(self.order)}), got {len(args)}")
+            raise TypeError(_("fn takes 4 arguments ({names}), got {n}").format(names=", ".join(self.order), n=len(args)))
         named = dict(zip(self.order, args))
         a, b, index, weight = (named[k] for k in _ORDER)
         common = torch.promote_types(a.dtype, b.dtype)   # the probe runs on whatever it is given, never raises a dtype error
@@ -458,28 +470,31 @@ def _expected_kind(value: Any, cast: bool = True) -> Any:
         return torch.float32 if cast and value.dtype in HALF_DTYPES else value.dtype
     if type(value) in (int, float):
         return value
-    return f"a {type_name(value)}"  # a string: compares safely with anything
+    return _("a {type}").format(type=type_name(value))  # a string: compares safely with anything
 
 
 def _expect_arguments_unchanged(what: str, originals: dict[str, tuple[torch.Tensor, torch.Tensor, bool]]) -> None:
     """The caller's tensors keep their dtype, values and requires_grad: the cast must make new tensors."""
     for name, (tensor, before, requires_grad) in originals.items():
         if tensor.dtype != before.dtype:
-            raise ExerciseFailed(f"{what}: the caller's tensor {name} is now {_short(tensor.dtype)}, it was {_short(before.dtype)}: "
-                                 "cast into new tensors (a.float() returns one) and leave the caller's tensors as they were")
+            raise ExerciseFailed(_("{what}: the caller's tensor {name} is now {dtype}, it was {before}: "
+                                   "cast into new tensors (a.float() returns one) and leave the caller's tensors as they were").format(
+                what=what, name=name, dtype=_short(tensor.dtype), before=_short(before.dtype)))
         if tensor.shape != before.shape or not torch.equal(_plain(tensor).detach(), _plain(before)):
-            raise ExerciseFailed(f"{what}: the values of the caller's tensor {name} changed: leave the caller's tensors as they were")
+            raise ExerciseFailed(_("{what}: the values of the caller's tensor {name} changed: leave the caller's tensors as they were").format(
+                what=what, name=name))
         if tensor.requires_grad != requires_grad:
-            raise ExerciseFailed(f"{what}: the caller's tensor {name} now has requires_grad={tensor.requires_grad}: "
-                                 "leave the caller's tensors as they were")
+            raise ExerciseFailed(_("{what}: the caller's tensor {name} now has requires_grad={requires_grad}: "
+                                   "leave the caller's tensors as they were").format(
+                what=what, name=name, requires_grad=tensor.requires_grad))
 
 
 def _kind_name(kind: Any) -> str:
     return _short(kind) if isinstance(kind, torch.dtype) else kind if isinstance(kind, str) else repr(kind)
 
 
-_NUMBER_AS_TENSOR = ("not every argument is a tensor, and a plain number is among them here: test isinstance(arg, torch.Tensor) "
-                     "before using a tensor's attributes, and take the device type from a tensor argument")
+_NUMBER_AS_TENSOR = N_("not every argument is a tensor, and a plain number is among them here: test isinstance(arg, torch.Tensor) "
+                       "before using a tensor's attributes, and take the device type from a tensor argument")  # call() translates hints
 _F32_HINTS = {"'float' object has no attribute": _NUMBER_AS_TENSOR, "'int' object has no attribute": _NUMBER_AS_TENSOR}
 
 
@@ -490,11 +505,15 @@ def check_run_in_float32(fn) -> None:
         a, b, index, weight = _distance_case(seed, a_dtype, b_dtype, device_type=device_type)
         values = {"a": a, "b": b, "index": index, "weight": weight}
         args = [values[k] for k in order]
-        region = f"inside torch.autocast('{device_type}', dtype={caller})" if caller else "outside autocast"
         labels = {"a": f"a ({_short(a_dtype)})", "b": f"b ({_short(b_dtype)})", "index": "index (int64)", "weight": str(weight)}
-        on = "" if device_type == "cpu" else f", every tensor on a {device_type.upper()} device"
-        shown = f"fn, {', '.join(labels[k] for k in order)}{on}"
-        what = f"run_in_float32({shown}) {region}"
+        shown = f"fn, {', '.join(labels[k] for k in order)}"
+        if device_type != "cpu":
+            shown = _("{arguments}, every tensor on a {device} device").format(arguments=shown, device=device_type.upper())
+        if caller:
+            what = _("run_in_float32({arguments}) inside torch.autocast('{device_type}', dtype={dtype})").format(
+                arguments=shown, device_type=device_type, dtype=caller)
+        else:
+            what = _("run_in_float32({arguments}) outside autocast").format(arguments=shown)
         probe = _Probe(order, device_type)
         originals = {"a": (a, a.detach().clone(), a.requires_grad), "b": (b, b.clone(), b.requires_grad),
                      "index": (index, index.clone(), False)}
@@ -504,68 +523,77 @@ def check_run_in_float32(fn) -> None:
             still_on, dtype_after = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
         _expect_arguments_unchanged(what, originals)
         if any("target dtype is not supported" in str(w.message) for w in caught):
-            raise ExerciseFailed(f"{what}: torch.autocast(..., dtype=torch.float32) warned and switched itself off: "
-                                 "switch autocast off with enabled=False instead")
+            raise ExerciseFailed(_("{what}: torch.autocast(..., dtype=torch.float32) warned and switched itself off: "
+                                   "switch autocast off with enabled=False instead").format(what=what))
         if not probe.calls:
-            raise ExerciseFailed(f"{what}: fn was never called: call fn on the (cast) arguments and return its result")
+            raise ExerciseFailed(_("{what}: fn was never called: call fn on the (cast) arguments and return its result").format(what=what))
         if len(probe.calls) > 1:
-            raise ExerciseFailed(f"{what}: fn was called {len(probe.calls)} times: call it once")
+            raise ExerciseFailed(_("{what}: fn was called {n} times: call it once").format(what=what, n=len(probe.calls)))
         seen = probe.calls[0]
         if not seen["grad_enabled"]:
-            raise ExerciseFailed(f"{what}: gradient recording was off while fn ran (torch.no_grad() or torch.inference_mode() "
-                                 "around it), so no gradient can flow back to the caller's tensors: leave it on")
+            raise ExerciseFailed(_("{what}: gradient recording was off while fn ran (torch.no_grad() or torch.inference_mode() "
+                                   "around it), so no gradient can flow back to the caller's tensors: leave it on").format(what=what))
         expected_kinds = [_expected_kind(v) for v in args]
         if caller and seen["autocast"]:
             if device_type != "cpu":
                 raise ExerciseFailed(
-                    f"{what}: these tensors are on a {device_type.upper()} device (a.device.type is '{device_type}'), and autocast "
-                    f"for '{device_type}' was still on while fn ran: switch autocast off for the device type of the tensors, "
-                    "read from them"
+                    _("{what}: these tensors are on a {device} device (a.device.type is '{device_type}'), and autocast "
+                      "for '{device_type}' was still on while fn ran: switch autocast off for the device type of the tensors, "
+                      "read from them").format(what=what, device=device_type.upper(), device_type=device_type)
                 )
             if seen["kinds"] == expected_kinds:
                 raise ExerciseFailed(
-                    f"{what}: autocast was still on while fn ran, so its matmul ran in {_short(caller)} although you passed float32 "
-                    "tensors: ops on autocast's lower-precision list are cast whatever their inputs; switch autocast off around fn "
-                    "for the tensors' device type"
+                    _("{what}: autocast was still on while fn ran, so its matmul ran in {dtype} although you passed float32 "
+                      "tensors: ops on autocast's lower-precision list are cast whatever their inputs; switch autocast off around fn "
+                      "for the tensors' device type").format(what=what, dtype=_short(caller))
                 )
-            raise ExerciseFailed(f"{what}: autocast was still on while fn ran: switch it off around fn, for the tensors' device type")
+            raise ExerciseFailed(_("{what}: autocast was still on while fn ran: switch it off around fn, for the tensors' device type").format(
+                what=what))
         for name, kind, want in zip(order, seen["kinds"], expected_kinds):
             if kind == want:
                 continue
             if want == torch.float32 and kind in HALF_DTYPES:
                 raise ExerciseFailed(
-                    f"{what}: fn received {name} as {_short(kind)}: with autocast off each op runs in its inputs' dtype, "
-                    f"so cast the 16-bit tensors to float32"
+                    _("{what}: fn received {name} as {dtype}: with autocast off each op runs in its inputs' dtype, "
+                      "so cast the 16-bit tensors to float32").format(what=what, name=name, dtype=_short(kind))
                 )
             if isinstance(want, torch.dtype) and isinstance(kind, torch.dtype):
                 raise ExerciseFailed(
-                    f"{what}: fn received {name} ({_short(want)} in the call) as {_short(kind)}: cast only bfloat16 and float16 "
-                    "tensors to float32, and leave every other tensor as it is"
+                    _("{what}: fn received {name} ({expected} in the call) as {got}: cast only bfloat16 and float16 "
+                      "tensors to float32, and leave every other tensor as it is").format(
+                        what=what, name=name, expected=_short(want), got=_short(kind))
                 )
-            raise ExerciseFailed(f"{what}: fn received {name} as {_kind_name(kind)}, expected {_kind_name(want)}: pass it on unchanged")
+            raise ExerciseFailed(_("{what}: fn received {name} as {got}, expected {expected}: pass it on unchanged").format(
+                what=what, name=name, got=_kind_name(kind), expected=_kind_name(want)))
         if not seen["requires_grad"][order.index("a")]:
-            raise ExerciseFailed(f"{what}: fn received a detached copy of a (requires_grad=False), so no gradient reaches the "
-                                 "caller's a: cast with .float() or .to(torch.float32), which autograd records, and do not detach")
+            raise ExerciseFailed(_("{what}: fn received a detached copy of a (requires_grad=False), so no gradient reaches the "
+                                   "caller's a: cast with .float() or .to(torch.float32), which autograd records, and do not detach").format(
+                what=what))
         if caller and not still_on:
-            raise ExerciseFailed(f"{what}: autocast was off after your function returned: switch it off for fn only, e.g. with a `with` block")
+            raise ExerciseFailed(_("{what}: autocast was off after your function returned: switch it off for fn only, "
+                                   "e.g. with a `with` block").format(what=what))
         if caller and dtype_after != caller:
-            raise ExerciseFailed(f"{what}: autocast's dtype was {_short(dtype_after)} after your function returned, "
-                                 f"expected {_short(caller)} as before: leave the caller's autocast as it was")
+            raise ExerciseFailed(_("{what}: autocast's dtype was {got} after your function returned, "
+                                   "expected {expected} as before: leave the caller's autocast as it was").format(
+                what=what, got=_short(dtype_after), expected=_short(caller)))
         if not caller and still_on:
-            raise ExerciseFailed(f"{what}: autocast was on after your function returned, though it was off before: leave it as it was")
+            raise ExerciseFailed(_("{what}: autocast was on after your function returned, though it was off before: "
+                                   "leave it as it was").format(what=what))
         returned = probe.returned
         if isinstance(got, torch.Tensor) and got is not returned and got.dtype != returned.dtype:
-            raise ExerciseFailed(f"{what}: fn returned a {_short(returned.dtype)} tensor, and your function returned it converted "
-                                 f"to {_short(got.dtype)}: return what fn returns, as it is")
+            raise ExerciseFailed(_("{what}: fn returned a {returned} tensor, and your function returned it converted "
+                                   "to {got}: return what fn returns, as it is").format(
+                what=what, returned=_short(returned.dtype), got=_short(got.dtype)))
         expected, expected_grad = _expected_distances(a, b, index, weight)
         expect_tensor(_plain(got), expected, what=what, atol=1e-5, rtol=1e-6)
         if not got.requires_grad:
-            raise ExerciseFailed(f"{what}: the result does not require grad, so no gradient reaches a: cast with .float() or "
-                                 ".to(torch.float32), which autograd records, and do not detach")
+            raise ExerciseFailed(_("{what}: the result does not require grad, so no gradient reaches a: cast with .float() or "
+                                   ".to(torch.float32), which autograd records, and do not detach").format(what=what))
         (grad,) = torch.autograd.grad(got.sum(), a, allow_unused=True)
         if grad is None:
-            raise ExerciseFailed(f"{what}: no gradient reaches the caller's tensor a: do not detach it")
-        expect_tensor(_plain(grad), expected_grad.to(a.dtype), what=f"the gradient of a after {what}", atol=1e-2, rtol=1e-2)
+            raise ExerciseFailed(_("{what}: no gradient reaches the caller's tensor a: do not detach it").format(what=what))
+        expect_tensor(_plain(grad), expected_grad.to(a.dtype), what=_("the gradient of a after {what}").format(what=what),
+                      atol=1e-2, rtol=1e-2)
     # fn raises: the error reaches the caller, and autocast is as it was.
     probe = _Probe(raises=True)
 
@@ -579,13 +607,13 @@ def check_run_in_float32(fn) -> None:
     a, b, index, weight = _distance_case(70, torch.bfloat16, torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outcome = call(raise_through, probe, a, b, index, weight, name="run_in_float32",
-                       shown="an fn that raises, a, b, index, 0.5", hints=_F32_HINTS)
+                       shown=_("an fn that raises, a, b, index, 0.5"), hints=_F32_HINTS)
         still_on = torch.is_autocast_enabled("cpu")
     if outcome == "returned":
-        raise ExerciseFailed("when fn raised, your function returned normally: let fn's error reach your caller")
+        raise ExerciseFailed(_("when fn raised, your function returned normally: let fn's error reach your caller"))
     if not still_on:
-        raise ExerciseFailed("when fn raised, autocast stayed switched off in the caller: "
-                             "restore it even on an error (a `with torch.autocast(...)` block does)")
+        raise ExerciseFailed(_("when fn raised, autocast stayed switched off in the caller: "
+                               "restore it even on an error (a `with torch.autocast(...)` block does)"))
 
 
 def _gradscaler_scales(found_inf: list[bool], init_scale: float, growth_interval: int) -> list[float]:
@@ -639,12 +667,12 @@ _SCHEDULE_CASES = [
     ([], 512.0, 2),
 ]
 
-_SCHEDULE_MISTAKES = [
-    ({"reset_on_inf": False}, "after an inf/NaN step the count of good steps starts again from 0"),
-    ({"off_by_one": True}, "the scale doubles on the growth_interval-th good step in a row, not on the one after it"),
-    ({"reset_on_growth": False}, "after the scale doubles, the count of good steps starts again from 0"),
-    ({"before": True}, "return the scale after each step's update(), not the scale the step used"),
-    ({"inverted": True}, "you read found_inf=True as a good step: True means that the step found an inf/NaN, which halves the scale"),
+_SCHEDULE_MISTAKES = [  # the messages are translated where they are raised
+    ({"reset_on_inf": False}, N_("after an inf/NaN step the count of good steps starts again from 0")),
+    ({"off_by_one": True}, N_("the scale doubles on the growth_interval-th good step in a row, not on the one after it")),
+    ({"reset_on_growth": False}, N_("after the scale doubles, the count of good steps starts again from 0")),
+    ({"before": True}, N_("return the scale after each step's update(), not the scale the step used")),
+    ({"inverted": True}, N_("you read found_inf=True as a good step: True means that the step found an inf/NaN, which halves the scale")),
 ]
 
 
@@ -656,42 +684,53 @@ def check_loss_scale_schedule(fn) -> None:
         given = list(found_inf)
         got = call(fn, given, init_scale, growth_interval)
         if given != found_inf:
-            raise ExerciseFailed(f"{what} changed the caller's list found_inf (now {given}): only read it")
+            raise ExerciseFailed(_("{what} changed the caller's list found_inf (now {now}): only read it").format(what=what, now=given))
         if got is None:
-            raise ExerciseFailed(f"{what} is None: did you forget to `return` the list?")
+            raise ExerciseFailed(_("{what} is None: did you forget to `return` the list?").format(what=what))
         if isinstance(got, torch.Tensor):
             got = got.tolist()
         if not isinstance(got, (list, tuple)):
-            raise ExerciseFailed(f"{what} is a {_kind(got)}, expected a list of floats, one per step")
+            raise ExerciseFailed(_("{what} is a {type}, expected a list of floats, one per step").format(what=what, type=_kind(got)))
         expected = _gradscaler_scales(found_inf, init_scale, growth_interval)
         if len(got) != len(expected):
-            raise ExerciseFailed(f"{what} has {len(got)} values, expected {len(expected)}: one scale per step")
+            raise ExerciseFailed(_("{what} has {got} values, expected {expected}: one scale per step").format(
+                what=what, got=len(got), expected=len(expected)))
         if list(got) == expected:
             continue
         for options, message in _SCHEDULE_MISTAKES:
             if list(got) == _schedule_variant(found_inf, init_scale, growth_interval, **options):
-                raise ExerciseFailed(f"{what}: {message}")
+                raise ExerciseFailed(_("{what}: {problem}").format(what=what, problem=_(message)))
         step = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
         if (isinstance(got[step], (int, float)) and expected[step] % 1 and got[step] == math.floor(expected[step])
                 and (step == 0 or got[step - 1] == expected[step - 1])):
-            raise ExerciseFailed(f"{what}: after step {step} the scale should be {expected[step]:g}, got {got[step]!r}: the value was "
-                                 "rounded down, as // and int() do; halve with / 2 or * 0.5, which keep the fraction, and return floats")
-        raise ExerciseFailed(f"{what}: after step {step} (found_inf={found_inf[step]}) the scale should be {expected[step]:g}, "
-                             f"got {got[step]!r}: {_schedule_rule(found_inf, init_scale, growth_interval, expected, step)}")
+            raise ExerciseFailed(_("{what}: after step {step} the scale should be {expected:g}, got {got!r}: the value was "
+                                   "rounded down, as // and int() do; halve with / 2 or * 0.5, which keep the fraction, "
+                                   "and return floats").format(
+                what=what, step=step, expected=expected[step], got=got[step]))
+        raise ExerciseFailed(_("{what}: after step {step} (found_inf={found_inf}) the scale should be {expected:g}, "
+                               "got {got!r}: {rule}").format(
+            what=what, step=step, found_inf=found_inf[step], expected=expected[step], got=got[step],
+            rule=_schedule_rule(found_inf, init_scale, growth_interval, expected, step)))
 
 
 def _schedule_rule(found_inf: list[bool], init_scale: float, growth_interval: int, expected: list[float], step: int) -> str:
     """The rule of the schedule that decides the scale after `step`, with the numbers of this case."""
     before = init_scale if step == 0 else expected[step - 1]
     if found_inf[step]:
-        return f"a step with an inf/NaN halves the scale (backoff_factor 0.5), from {before:g} to {expected[step]:g}"
+        return _("a step with an inf/NaN halves the scale (backoff_factor 0.5), from {before:g} to {after:g}").format(
+            before=before, after=expected[step])
     if expected[step] > before:
-        return (f"this step completes growth_interval={growth_interval} good steps in a row (counted since the last inf/NaN "
-                f"step or the last growth), so the scale doubles (growth_factor 2.0), from {before:g} to {expected[step]:g}")
+        return _("this step completes growth_interval={growth_interval} good steps in a row (counted since the last inf/NaN "
+                 "step or the last growth), so the scale doubles (growth_factor 2.0), from {before:g} to {after:g}").format(
+            growth_interval=growth_interval, before=before, after=expected[step])
     run = next((i for i in range(step, -1, -1) if found_inf[i]), -1)  # the good steps counted since then, at most
-    return (f"a good step leaves the scale at {before:g} until growth_interval={growth_interval} good steps in a row "
-            f"are complete (the count starts again from 0 after an inf/NaN step and after each growth)"
-            + ("" if run < 0 else f"; the last inf/NaN step was step {run}"))
+    if run < 0:
+        return _("a good step leaves the scale at {before:g} until growth_interval={growth_interval} good steps in a row "
+                 "are complete (the count starts again from 0 after an inf/NaN step and after each growth)").format(
+            before=before, growth_interval=growth_interval)
+    return _("a good step leaves the scale at {before:g} until growth_interval={growth_interval} good steps in a row "
+             "are complete (the count starts again from 0 after an inf/NaN step and after each growth); "
+             "the last inf/NaN step was step {last}").format(before=before, growth_interval=growth_interval, last=run)
 
 
 # amp_step: the learner's step and the reference step train twin models side by side, in each precision, on batches
@@ -764,7 +803,7 @@ class _AmpRun:
 def _amp_batches(dtype: torch.dtype) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int, int]:
     """The hidden batches of one precision, and the steps whose loss is NaN and whose backward overflows."""
     g = torch.Generator().manual_seed(600 + _AMP_ORDER.index(dtype))
-    batches = [(3 * torch.randn(9, 6, generator=g), torch.randint(0, 3, (9,), generator=g)) for _ in range(_AMP_STEPS)]
+    batches = [(3 * torch.randn(9, 6, generator=g), torch.randint(0, 3, (9,), generator=g)) for _step in range(_AMP_STEPS)]
     nan_step, overflow_step = (1 + torch.randperm(_AMP_STEPS - 1, generator=g)[:2]).tolist()
     batches[nan_step][0][4, 2] = float("inf")  # an inf input: the loss is NaN
     return batches, nan_step, overflow_step
@@ -795,21 +834,22 @@ def _amp_variant(run: _AmpRun, x, y, variant: str) -> None:
     scaler.update()
 
 
-_AMP_MISTAKES = [
-    ("no_clip", "the gradients were not clipped: clip their total norm to max_norm with nn.utils.clip_grad_norm_, in every precision"),
-    ("clip_before_unscale", ("the gradients were clipped while still scaled: call scaler.unscale_(optimizer) before clipping, "
-                             "or max_norm is compared with gradients `scale` times too large")),
-    ("clip_each", "each parameter's gradient was clipped on its own: clip the total norm of all the gradients together"),
-    ("no_zero_grad", "old gradients were still in .grad: clear them at the start of the step"),
+_AMP_MISTAKES = [  # the messages are translated where they are raised
+    ("no_clip", N_("the gradients were not clipped: clip their total norm to max_norm with nn.utils.clip_grad_norm_, in every precision")),
+    ("clip_before_unscale", N_("the gradients were clipped while still scaled: call scaler.unscale_(optimizer) before clipping, "
+                               "or max_norm is compared with gradients `scale` times too large")),
+    ("clip_each", N_("each parameter's gradient was clipped on its own: clip the total norm of all the gradients together")),
+    ("no_zero_grad", N_("old gradients were still in .grad: clear them at the start of the step")),
 ]
 
 
 def _skip_cause(step: int, nan_step: int, overflow_step: int) -> str:
+    """Why the reference skipped this step, in English (_judge_skip reads it, then translates it)."""
     if step == nan_step:
-        return "the loss was NaN (an inf in the batch)"
+        return N_("the loss was NaN (an inf in the batch)")
     if step == overflow_step:
-        return "the loss was finite, but a gradient overflowed to inf in backward"
-    return "the scale was too large, so the float16 backward overflowed to inf"
+        return N_("the loss was finite, but a gradient overflowed to inf in backward")
+    return N_("the scale was too large, so the float16 backward overflowed to inf")
 
 
 class _ScalerLog:
@@ -883,18 +923,18 @@ class _Watch:
         self.run.grads_at_step = None
 
 
-_AMP_HINTS = {
-    "_scale is None": "the scaler has not scaled anything yet: call scaler.scale(loss).backward(), not loss.backward()",
-    "unscale_() has already been called": "call scaler.unscale_(optimizer) once per step, before clipping",
-    "unscale_() is being called after step()": ("scaler.step(optimizer) reads the unscaled gradients, so unscale_ (and the "
-                                                "clipping after it) must come before scaler.step(optimizer)"),
-    "step() has already been called": "call scaler.step(optimizer) at most once per step",
-    "Attempting to unscale FP16 gradients": "the parameters are float16: autocast keeps the weights float32 and casts per "
-                                            "operation; do not cast the model",
-    "'NoneType' object has no attribute": ("usually a parameter's .grad, which is None for a parameter that gets no gradient "
-                                           "(a frozen one, requires_grad=False): skip those"),
-    "not NoneType": ("usually a parameter's .grad, which is None for a parameter that gets no gradient (a frozen one, "
-                     "requires_grad=False): skip those"),
+_AMP_HINTS = {  # {torch's words: advice}; call() translates the advice when it shows it
+    "_scale is None": N_("the scaler has not scaled anything yet: call scaler.scale(loss).backward(), not loss.backward()"),
+    "unscale_() has already been called": N_("call scaler.unscale_(optimizer) once per step, before clipping"),
+    "unscale_() is being called after step()": N_("scaler.step(optimizer) reads the unscaled gradients, so unscale_ (and the "
+                                                  "clipping after it) must come before scaler.step(optimizer)"),
+    "step() has already been called": N_("call scaler.step(optimizer) at most once per step"),
+    "Attempting to unscale FP16 gradients": N_("the parameters are float16: autocast keeps the weights float32 and casts per "
+                                               "operation; do not cast the model"),
+    "'NoneType' object has no attribute": N_("usually a parameter's .grad, which is None for a parameter that gets no gradient "
+                                             "(a frozen one, requires_grad=False): skip those"),
+    "not NoneType": N_("usually a parameter's .grad, which is None for a parameter that gets no gradient (a frozen one, "
+                       "requires_grad=False): skip those"),
 }
 
 
@@ -902,21 +942,21 @@ def _no_inf_check_advice(watch: _Watch, per_micro_batch: bool = False) -> str:
     """Why scaler.update() found no inf check in this step, read from the order of the learner's calls."""
     log = watch.log
     if log.count("update") > 1:
-        return "scaler.update() was called twice in one step: call it once per step, after scaler.step(optimizer)"
+        return _("scaler.update() was called twice in one step: call it once per step, after scaler.step(optimizer)")
     if "unscale_" in log.events or "step" in log.events:
-        return "scaler.update() found no inf check for this step"
+        return _("scaler.update() found no inf check for this step")
     if not watch.backwards:
-        return ("scaler.update() needs this step's inf check, which scaler.unscale_(optimizer) or scaler.step(optimizer) records: "
-                "on a step you skip, still run scaler.scale(loss).backward() and scaler.unscale_(optimizer), skip only the "
-                "optimizer step, then call update()")
+        return _("scaler.update() needs this step's inf check, which scaler.unscale_(optimizer) or scaler.step(optimizer) records: "
+                 "on a step you skip, still run scaler.scale(loss).backward() and scaler.unscale_(optimizer), skip only the "
+                 "optimizer step, then call update()")
     if "optimizer.step" in log.events:
-        return ("you stepped with optimizer.step() and never called scaler.unscale_(optimizer) or scaler.step(optimizer), which "
-                "record the inf check update() needs: step with scaler.step(optimizer)")
+        return _("you stepped with optimizer.step() and never called scaler.unscale_(optimizer) or scaler.step(optimizer), which "
+                 "record the inf check update() needs: step with scaler.step(optimizer)")
     if per_micro_batch:
-        return ("scaler.update() ran before this step's scaler.unscale_(optimizer): update once per step, after the last "
-                "micro-batch, unscale_ and step, never per micro-batch")
-    return ("scaler.update() ran before this step's scaler.unscale_(optimizer) or scaler.step(optimizer), which record the inf "
-            "check it needs: call it last, after scaler.step(optimizer)")
+        return _("scaler.update() ran before this step's scaler.unscale_(optimizer): update once per step, after the last "
+                 "micro-batch, unscale_ and step, never per micro-batch")
+    return _("scaler.update() ran before this step's scaler.unscale_(optimizer) or scaler.step(optimizer), which record the inf "
+             "check it needs: call it last, after scaler.step(optimizer)")
 
 
 def _call_step(fn: Callable, args: tuple, name: str, shown: str, watch: _Watch, hints: dict, per_micro_batch: bool = False):
@@ -940,8 +980,8 @@ def _check_amp_precision(fn: Callable, dtype: torch.dtype) -> None:
     batches, nan_step, overflow_step = _amp_batches(dtype)
     mine, ref = _AmpRun(dtype), _AmpRun(dtype)
     watch = _Watch(mine)
-    scaler_note = "enabled" if dtype == torch.float16 else "disabled"
-    shown = f"model, inputs, targets, F.cross_entropy, optimizer, scaler ({scaler_note}), {dtype}, max_norm={_AMP_MAX_NORM}"
+    scaler_note = _("scaler (enabled)") if dtype == torch.float16 else _("scaler (disabled)")
+    shown = f"model, inputs, targets, F.cross_entropy, optimizer, {scaler_note}, {dtype}, max_norm={_AMP_MAX_NORM}"
     for step, (x, y) in enumerate(batches):
         before = ref.state()
         mine.overflow = ref.overflow = step == overflow_step
@@ -954,9 +994,9 @@ def _check_amp_precision(fn: Callable, dtype: torch.dtype) -> None:
             got = _call_step(fn, (mine.model, given_x, given_y, watch.cross_entropy, mine.optimizer, mine.scaler, dtype,
                                   _AMP_MAX_NORM), "amp_step", shown, watch, _AMP_HINTS)
         mine.overflow = False
-        what = f"amp_step with dtype={dtype}, step {step}"
+        what = _("amp_step with dtype={dtype}, step {step}").format(dtype=dtype, step=step)
         if given_x.dtype != x.dtype or not torch.equal(given_x, x) or not torch.equal(given_y, y):
-            raise ExerciseFailed(f"{what}: the caller's inputs or targets changed: leave them as they were")
+            raise ExerciseFailed(_("{what}: the caller's inputs or targets changed: leave them as they were").format(what=what))
         _judge_amp_step(what, dtype, step, mine, ref, got, want, watch, caught, weights_before,
                         scale_before, before, x, y, nan_step, overflow_step)
 
@@ -966,41 +1006,47 @@ def _judge_precision(what: str, dtype: torch.dtype, mine: _AmpRun, watch: "_Watc
     """What one step must get right in every precision: float32 weights, the forward and the loss in the right dtype."""
     cast = sorted({_short(p.dtype) for p in mine.model.parameters() if p.dtype != torch.float32})
     if cast:
-        raise ExerciseFailed(f"{what}: the model's parameters are now {cast[0]}: autocast keeps the weights float32 "
-                             "and casts per operation; do not cast the model")
+        raise ExerciseFailed(_("{what}: the model's parameters are now {dtype}: autocast keeps the weights float32 "
+                               "and casts per operation; do not cast the model").format(what=what, dtype=cast[0]))
     if any(d != torch.float32 for d in watch.weight_dtypes):
         low = next(d for d in watch.weight_dtypes if d != torch.float32)
-        raise ExerciseFailed(f"{what}: the model's weights were {_short(low)} during the forward pass: autocast keeps the "
-                             "weights float32 and casts per operation; do not cast the model, not even for the forward pass")
+        raise ExerciseFailed(_("{what}: the model's weights were {dtype} during the forward pass: autocast keeps the "
+                               "weights float32 and casts per operation; do not cast the model, not even for the forward pass").format(
+            what=what, dtype=_short(low)))
     if any("target dtype is not supported" in m for m in messages):
-        raise ExerciseFailed(f"{what}: torch.autocast(..., dtype=torch.float32) warned and switched itself off: "
-                             "for float32, run the forward without autocast (enabled=False)")
+        raise ExerciseFailed(_("{what}: torch.autocast(..., dtype=torch.float32) warned and switched itself off: "
+                               "for float32, run the forward without autocast (enabled=False)").format(what=what))
     if not watch.forward_dtypes:
-        raise ExerciseFailed(f"{what}: the model was never called: run the forward pass on the inputs")
+        raise ExerciseFailed(_("{what}: the model was never called: run the forward pass on the inputs").format(what=what))
     ran = watch.forward_dtypes[0]
     if ran != dtype:
         if ran == torch.float32 and any("CUDA is not available" in m for m in messages):
-            raise ExerciseFailed(f"{what}: autocast was switched off with a warning: device_type='cuda' does nothing for CPU "
-                                 "tensors; use the inputs' device type, inputs.device.type")
+            raise ExerciseFailed(_("{what}: autocast was switched off with a warning: device_type='cuda' does nothing for CPU "
+                                   "tensors; use the inputs' device type, inputs.device.type").format(what=what))
         if ran == torch.float32:
-            raise ExerciseFailed(f"{what}: the forward ran in float32: run the model and the loss under torch.autocast "
-                                 "in the dtype you were given, on the inputs' device type")
+            raise ExerciseFailed(_("{what}: the forward ran in float32: run the model and the loss under torch.autocast "
+                                   "in the dtype you were given, on the inputs' device type").format(what=what))
         if dtype == torch.float32:
-            raise ExerciseFailed(f"{what}: the forward ran in {_short(ran)}: with dtype=torch.float32 run it without autocast")
-        raise ExerciseFailed(f"{what}: the forward ran in {_short(ran)}: use the dtype you were given, {_short(dtype)}")
+            raise ExerciseFailed(_("{what}: the forward ran in {dtype}: with dtype=torch.float32 run it without autocast").format(
+                what=what, dtype=_short(ran)))
+        raise ExerciseFailed(_("{what}: the forward ran in {dtype}: use the dtype you were given, {expected}").format(
+            what=what, dtype=_short(ran), expected=_short(dtype)))
     if not watch.losses:
-        raise ExerciseFailed(f"{what}: loss_fn was never called: compute the loss with the loss_fn you were given")
+        raise ExerciseFailed(_("{what}: loss_fn was never called: compute the loss with the loss_fn you were given").format(what=what))
     logits_dtype, loss_dtype = watch.losses[0]
     if loss_dtype in HALF_DTYPES:
-        overflow = (f"; scaling a float16 loss by {scale_before:g}, above float16's largest value 65504, overflows its "
-                    "gradient to inf" if loss_dtype == torch.float16 and scale_before > 65504 else "")
-        raise ExerciseFailed(f"{what}: the loss came out {_short(loss_dtype)}: it was computed outside autocast on "
-                             f"{_short(logits_dtype)} logits{overflow}; compute it inside the autocast block, where "
-                             "autocast runs the loss in float32, or on logits.float()")
+        overflow = ""
+        if loss_dtype == torch.float16 and scale_before > 65504:
+            overflow = _("; scaling a float16 loss by {scale:g}, above float16's largest value 65504, overflows its "
+                         "gradient to inf").format(scale=scale_before)
+        raise ExerciseFailed(_("{what}: the loss came out {loss_dtype}: it was computed outside autocast on "
+                               "{logits_dtype} logits{overflow}; compute it inside the autocast block, where "
+                               "autocast runs the loss in float32, or on logits.float()").format(
+            what=what, loss_dtype=_short(loss_dtype), logits_dtype=_short(logits_dtype), overflow=overflow))
     if any(watch.backward_autocast):
-        raise ExerciseFailed(f"{what}: the backward pass ran inside the autocast block: autocast is for the forward pass and "
-                             "the loss; close the block before scaler.scale(loss).backward() (backward runs each op in the "
-                             "dtype its forward used)")
+        raise ExerciseFailed(_("{what}: the backward pass ran inside the autocast block: autocast is for the forward pass and "
+                               "the loss; close the block before scaler.scale(loss).backward() (backward runs each op in the "
+                               "dtype its forward used)").format(what=what))
 
 
 def _judge_order(what: str, dtype: torch.dtype, watch: "_Watch") -> None:
@@ -1009,57 +1055,74 @@ def _judge_order(what: str, dtype: torch.dtype, watch: "_Watch") -> None:
     if dtype != torch.float16:
         return
     if log.count("update") > 1:
-        raise ExerciseFailed(f"{what}: scaler.update() ran {log.count('update')} times in one call: update once per step, "
-                             "after scaler.step(optimizer)")
+        raise ExerciseFailed(_("{what}: scaler.update() ran {n} times in one call: update once per step, "
+                               "after scaler.step(optimizer)").format(what=what, n=log.count("update")))
     if "update" in log.events and "step" in log.events and log.events.index("update") < log.events.index("step"):
-        raise ExerciseFailed(f"{what}: scaler.update() ran before scaler.step(optimizer): update() picks the next step's scale "
-                             "and forgets this step's unscale_, so step() then divided the gradients again; call update() "
-                             "last, after step()")
+        raise ExerciseFailed(_("{what}: scaler.update() ran before scaler.step(optimizer): update() picks the next step's scale "
+                               "and forgets this step's unscale_, so step() then divided the gradients again; call update() "
+                               "last, after step()").format(what=what))
 
 
 def _judge_skip(what: str, dtype: torch.dtype, cause: str, mine: _AmpRun, ref: _AmpRun, got: Any, watch: "_Watch",
                 weights_before: dict[str, torch.Tensor], scale_before: float) -> None:
-    """A step the reference skipped: no optimizer step, False returned, and with float16 the scale backed off."""
+    """A step the reference skipped: no optimizer step, False returned, and with float16 the scale backed off.
+
+    cause is English (an N_ constant), read here and translated for the messages.
+    """
     after = _params(mine.model)
     changed = not all(torch.equal(after[k], weights_before[k]) for k in weights_before)
     log = watch.log
+    reason = _(cause)
     if watch.steps or changed:
-        did = "stepped" if watch.steps else "changed the weights"
         if watch.losses and not all(watch.loss_grads) and "NaN" in cause:
-            raise ExerciseFailed(f"{what}: {cause}; you left that loss out of backward and the optimizer {did} on the rest: "
-                                 "skip the whole step when any loss or gradient is inf or NaN")
+            if watch.steps:
+                message = _("{what}: {cause}; you left that loss out of backward and the optimizer stepped on the rest: "
+                            "skip the whole step when any loss or gradient is inf or NaN")
+            else:
+                message = _("{what}: {cause}; you left that loss out of backward and the optimizer changed the weights on the rest: "
+                            "skip the whole step when any loss or gradient is inf or NaN")
+            raise ExerciseFailed(message.format(what=what, cause=reason))
         if "optimizer.step" in log.events and dtype == torch.float16:
-            advice = "step with scaler.step(optimizer), which skips such a step, and never call optimizer.step() yourself"
+            advice = _("step with scaler.step(optimizer), which skips such a step, and never call optimizer.step() yourself")
         elif dtype == torch.float16:
-            advice = ("scaler.step(optimizer) found no inf or NaN in the gradients it was given: the step must be skipped "
-                      "when the loss or any gradient of this step is inf or NaN")
+            advice = _("scaler.step(optimizer) found no inf or NaN in the gradients it was given: the step must be skipped "
+                       "when the loss or any gradient of this step is inf or NaN")
         else:
-            advice = ("a disabled scaler skips nothing, so check that the gradients are finite (clip_grad_norm_ returns their "
-                      "total norm) and do not step when they are not")
-        raise ExerciseFailed(f"{what}: {cause}, and the optimizer {did} anyway: {advice}")
+            advice = _("a disabled scaler skips nothing, so check that the gradients are finite (clip_grad_norm_ returns their "
+                       "total norm) and do not step when they are not")
+        if watch.steps:
+            message = _("{what}: {cause}, and the optimizer stepped anyway: {advice}")
+        else:
+            message = _("{what}: {cause}, and the optimizer changed the weights anyway: {advice}")
+        raise ExerciseFailed(message.format(what=what, cause=reason, advice=advice))
     if got:
-        raise ExerciseFailed(f"{what}: {cause}, and the step was rightly skipped, but you returned True: return False for a skipped step")
+        raise ExerciseFailed(_("{what}: {cause}, and the step was rightly skipped, but you returned True: "
+                               "return False for a skipped step").format(what=what, cause=reason))
     if mine.scaler.get_scale() != ref.scaler.get_scale():
         if "unscale_" not in log.events and "step" not in log.events:
-            where = "before backward" if not watch.backwards else "before scaler.unscale_(optimizer)"
+            where = _("before backward") if not watch.backwards else _("before scaler.unscale_(optimizer)")
             raise ExerciseFailed(
-                f"{what}: {cause}, and you skipped the step {where}, so the scale stayed {mine.scaler.get_scale():g} "
-                f"instead of backing off to {ref.scaler.get_scale():g}. update() backs it off only from this step's inf check, "
-                "which scaler.unscale_(optimizer) records: run scaler.scale(loss).backward() and unscale_ even when the loss "
-                "is not finite, skip only the optimizer step, then call scaler.update()")
+                _("{what}: {cause}, and you skipped the step {where}, so the scale stayed {scale:g} "
+                  "instead of backing off to {expected:g}. update() backs it off only from this step's inf check, "
+                  "which scaler.unscale_(optimizer) records: run scaler.scale(loss).backward() and unscale_ even when the loss "
+                  "is not finite, skip only the optimizer step, then call scaler.update()").format(
+                    what=what, cause=reason, where=where, scale=mine.scaler.get_scale(), expected=ref.scaler.get_scale()))
         if "update" not in log.events:
-            raise ExerciseFailed(f"{what}: {cause}; after this skipped step the scale should back off from {scale_before:g} to "
-                                 f"{ref.scaler.get_scale():g}, it is {mine.scaler.get_scale():g}: call scaler.update() on skipped steps too")
-        raise ExerciseFailed(f"{what}: {cause}; after this skipped step the scale should be {ref.scaler.get_scale():g}, "
-                             f"it is {mine.scaler.get_scale():g}")
+            raise ExerciseFailed(_("{what}: {cause}; after this skipped step the scale should back off from {before:g} to "
+                                   "{expected:g}, it is {got:g}: call scaler.update() on skipped steps too").format(
+                what=what, cause=reason, before=scale_before, expected=ref.scaler.get_scale(), got=mine.scaler.get_scale()))
+        raise ExerciseFailed(_("{what}: {cause}; after this skipped step the scale should be {expected:g}, "
+                               "it is {got:g}").format(
+            what=what, cause=reason, expected=ref.scaler.get_scale(), got=mine.scaler.get_scale()))
 
 
 def _judge_amp_step(what, dtype, step, mine, ref, got, want, watch, caught, weights_before,
                     scale_before, before, x, y, nan_step, overflow_step) -> None:
     _judge_precision(what, dtype, mine, watch, [str(w.message) for w in caught], scale_before)
     if not isinstance(got, bool):
-        raise ExerciseFailed(f"{what} returned {type_name(got) if got is not None else 'None'}, expected a Python bool: "
-                             "True when the weights were updated, False when the step was skipped")
+        raise ExerciseFailed(_("{what} returned {type}, expected a Python bool: "
+                               "True when the weights were updated, False when the step was skipped").format(
+            what=what, type=type_name(got) if got is not None else "None"))
     _judge_order(what, dtype, watch)
     if not want:  # the reference skipped this step
         _judge_skip(what, dtype, _skip_cause(step, nan_step, overflow_step), mine, ref, got, watch, weights_before, scale_before)
@@ -1073,7 +1136,7 @@ def _judge_amp_step(what, dtype, step, mine, ref, got, want, watch, caught, weig
             simulated = _AmpRun.from_state(dtype, before)
             _amp_variant(simulated, x.clone(), y.clone(), variant)
             if _same_step(mine, after, simulated):
-                raise ExerciseFailed(f"{what}: {message}")
+                raise ExerciseFailed(_("{what}: {problem}").format(what=what, problem=_(message)))
     _judge_good_step(what, got, watch, mine, ref, name, after, expected, _AMP_MAX_NORM, scale_before)
 
 
@@ -1100,29 +1163,33 @@ def _judge_good_step(what: str, got: bool, watch: "_Watch", mine: _AmpRun, ref: 
                      after: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], max_norm: float, scale: float) -> None:
     """A step the reference took: one optimizer step, True returned, the reference's weights and scale."""
     if not watch.steps:
-        raise ExerciseFailed(f"{what}: the loss and the gradients of this step are finite in the reference solution, but your "
-                             "optimizer did not step: skip only the steps whose loss or gradients are inf or NaN")
+        raise ExerciseFailed(_("{what}: the loss and the gradients of this step are finite in the reference solution, but your "
+                               "optimizer did not step: skip only the steps whose loss or gradients are inf or NaN").format(what=what))
     if watch.steps > 1:
-        raise ExerciseFailed(f"{what}: the optimizer stepped {watch.steps} times: step it once per call")
+        raise ExerciseFailed(_("{what}: the optimizer stepped {n} times: step it once per call").format(what=what, n=watch.steps))
     if not got:
-        raise ExerciseFailed(f"{what}: the weights were updated, but you returned False: return True when the step was taken")
+        raise ExerciseFailed(_("{what}: the weights were updated, but you returned False: "
+                               "return True when the step was taken").format(what=what))
     if name is not None:
         if not _same_grads(mine.grads_at_step, ref.grads_at_step):
             norm, want = _total_norm(mine.grads_at_step), _total_norm(ref.grads_at_step)
             if mine.scaler.is_enabled() and math.isclose(norm, max_norm / scale, rel_tol=1e-2):
-                raise ExerciseFailed(f"{what}: the gradients the optimizer stepped with have a total norm of {norm:.4g}, which is "
-                                     f"max_norm / scale = {max_norm:g} / {scale:g}: they were clipped while still scaled, then "
-                                     "unscaled; call scaler.unscale_(optimizer) first (after the last backward), then clip")
+                raise ExerciseFailed(_("{what}: the gradients the optimizer stepped with have a total norm of {norm:.4g}, which is "
+                                       "max_norm / scale = {max_norm:g} / {scale:g}: they were clipped while still scaled, then "
+                                       "unscaled; call scaler.unscale_(optimizer) first (after the last backward), then clip").format(
+                    what=what, norm=norm, max_norm=max_norm, scale=scale))
             if norm == 0:
-                raise ExerciseFailed(f"{what}: the gradients the optimizer stepped with were all 0, expected a total norm of "
-                                     f"{want:.4g} (after clipping to max_norm)")
-            raise ExerciseFailed(f"{what}: the gradients the optimizer stepped with have a total norm of {norm:.4g}, expected "
-                                 f"{want:.4g} (after clipping to max_norm)")
-        expect_tensor(after[name], expected[name], what=f"parameter {name!r} after {what}", atol=_AMP_ATOL, rtol=0.0)
+                raise ExerciseFailed(_("{what}: the gradients the optimizer stepped with were all 0, expected a total norm of "
+                                       "{expected:.4g} (after clipping to max_norm)").format(what=what, expected=want))
+            raise ExerciseFailed(_("{what}: the gradients the optimizer stepped with have a total norm of {norm:.4g}, expected "
+                                   "{expected:.4g} (after clipping to max_norm)").format(what=what, norm=norm, expected=want))
+        expect_tensor(after[name], expected[name], what=_("parameter {name!r} after {what}").format(name=name, what=what),
+                      atol=_AMP_ATOL, rtol=0.0)
     if mine.scaler.get_scale() != ref.scaler.get_scale():
-        raise ExerciseFailed(f"{what}: the scale is {mine.scaler.get_scale():g}, expected {ref.scaler.get_scale():g} "
-                             "(this scaler doubles it after every good step): call scaler.update() once per step, "
-                             "after scaler.step(optimizer)")
+        raise ExerciseFailed(_("{what}: the scale is {got:g}, expected {expected:g} "
+                               "(this scaler doubles it after every good step): call scaler.update() once per step, "
+                               "after scaler.step(optimizer)").format(
+            what=what, got=mine.scaler.get_scale(), expected=ref.scaler.get_scale()))
 
 
 # resume_amp: checkpoints written by a run in one precision, resumed by a run in another. The caller's fresh scaler is
@@ -1135,7 +1202,7 @@ def _trained_run(dtype: torch.dtype, steps: int, seed: int = 5, init_scale: floa
     run = _AmpRun(dtype, seed)
     run.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=3, enabled=dtype == torch.float16)
     g = torch.Generator().manual_seed(800)
-    for _ in range(steps):
+    for _step in range(steps):
         x, y = 3 * torch.randn(9, 6, generator=g), torch.randint(0, 3, (9,), generator=g)
         amp_step(run.model, x, y, F.cross_entropy, run.optimizer, run.scaler, dtype, _AMP_MAX_NORM)
     return run
@@ -1143,7 +1210,7 @@ def _trained_run(dtype: torch.dtype, steps: int, seed: int = 5, init_scale: floa
 
 def _continue(run: _AmpRun, steps: int, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
+    for _step in range(steps):
         x, y = 3 * torch.randn(9, 6, generator=g), torch.randint(0, 3, (9,), generator=g)
         amp_step(run.model, x, y, F.cross_entropy, run.optimizer, run.scaler, run.dtype, _AMP_MAX_NORM)
 
@@ -1153,15 +1220,15 @@ _RESUME_CASES = [(torch.float16, torch.float16, 7), (torch.bfloat16, torch.float
                  (torch.float32, torch.float16, 3)]
 _RESUME_INIT_SCALE, _RESUME_GROWTH_INTERVAL = 2.0 ** 12, 5
 
-_RESUME_HINTS = {
-    "The source state dict is empty": ("this checkpoint comes from a run without loss scaling (bfloat16 or float32), whose "
-                                       "disabled scaler saved {}; an enabled scaler refuses it: load the scaler's state only "
-                                       "when the checkpoint holds one, and otherwise keep the fresh scaler you were given"),
-    "Unexpected key(s) in state_dict": "each object takes its own entry: model.load_state_dict(checkpoint['model']), and so on",
-    "Weights only load failed": "the file holds only tensors, dicts and numbers: torch.load(path, weights_only=True) reads it",
-    "_scale is None": ("the scaler you were given is fresh and has no scale yet, so update() cannot set one: restore its whole "
-                       "state with scaler.load_state_dict(checkpoint['scaler'])"),
-    "on a CUDA device but torch.cuda.is_available() is False": "this machine has no GPU: load to the CPU, map_location='cpu'",
+_RESUME_HINTS = {  # {torch's words: advice}; call() translates the advice (never formatted: its {} is an empty dict)
+    "The source state dict is empty": N_("this checkpoint comes from a run without loss scaling (bfloat16 or float32), whose "
+                                         "disabled scaler saved {}; an enabled scaler refuses it: load the scaler's state only "
+                                         "when the checkpoint holds one, and otherwise keep the fresh scaler you were given"),
+    "Unexpected key(s) in state_dict": N_("each object takes its own entry: model.load_state_dict(checkpoint['model']), and so on"),
+    "Weights only load failed": N_("the file holds only tensors, dicts and numbers: torch.load(path, weights_only=True) reads it"),
+    "_scale is None": N_("the scaler you were given is fresh and has no scale yet, so update() cannot set one: restore its whole "
+                         "state with scaler.load_state_dict(checkpoint['scaler'])"),
+    "on a CUDA device but torch.cuda.is_available() is False": N_("this machine has no GPU: load to the CPU, map_location='cpu'"),
 }
 
 
@@ -1189,8 +1256,8 @@ class _LoadLog:
         name, err = next(((n, e) for n, e in self.calls if e is not None), ("", None))
         if err is None:
             return ""
-        return (f"; inside your function, {name}.load_state_dict raised {type(err).__name__} ({first_line(err)}), and your code "
-                "caught it, so what came after it never ran")
+        return _("; inside your function, {name}.load_state_dict raised {error} ({message}), and your code "
+                 "caught it, so what came after it never ran").format(name=name, error=type(err).__name__, message=first_line(err))
 
 
 class _LoadWatch:
@@ -1208,28 +1275,32 @@ class _LoadWatch:
 def _resume_fault(what: str, resumed: _AmpRun, saved: dict, fresh_state: dict, resume_dtype: torch.dtype, swallowed: str = "") -> None:
     """The model, the optimizer and the scaler after resume_amp, against what each should hold."""
     if not _same_tree(resumed.model.state_dict(), saved["model"]):
-        raise ExerciseFailed(f"{what}: the model's weights are not the saved ones{swallowed}: load checkpoint['model'] into the "
-                             "model you were given")
+        raise ExerciseFailed(_("{what}: the model's weights are not the saved ones{swallowed}: load checkpoint['model'] into the "
+                               "model you were given").format(what=what, swallowed=swallowed))
     if not _same_tree(resumed.optimizer.state_dict(), saved["optimizer"]):
-        raise ExerciseFailed(f"{what}: the optimizer's state (its momentum buffers) is not the saved one{swallowed}: "
-                             "load checkpoint['optimizer'] into the optimizer you were given")
+        raise ExerciseFailed(_("{what}: the optimizer's state (its momentum buffers) is not the saved one{swallowed}: "
+                               "load checkpoint['optimizer'] into the optimizer you were given").format(what=what, swallowed=swallowed))
     state = resumed.scaler.state_dict()
     if resume_dtype != torch.float16:
         if resumed.scaler.is_enabled():
-            raise ExerciseFailed(f"{what}: the scaler you were given is now enabled: this run needs no loss scaling; leave it disabled")
+            raise ExerciseFailed(_("{what}: the scaler you were given is now enabled: this run needs no loss scaling; "
+                                   "leave it disabled").format(what=what))
         return
     if saved["scaler"]:
         if state == saved["scaler"]:
             return
         if state == fresh_state:
-            raise ExerciseFailed(f"{what}: the scaler you were given still has its fresh state (scale {fresh_state['scale']:g}), "
-                                 f"not the saved one (scale {saved['scaler']['scale']:g}): load checkpoint['scaler'] into it")
+            raise ExerciseFailed(_("{what}: the scaler you were given still has its fresh state (scale {fresh:g}), "
+                                   "not the saved one (scale {saved:g}): load checkpoint['scaler'] into it").format(
+                what=what, fresh=fresh_state["scale"], saved=saved["scaler"]["scale"]))
         key = next(k for k in saved["scaler"] if state.get(k) != saved["scaler"][k])
-        raise ExerciseFailed(f"{what}: the scaler's {key!r} is {state.get(key)!r}, saved {saved['scaler'][key]!r}: "
-                             "load the whole of checkpoint['scaler'] with scaler.load_state_dict")
+        raise ExerciseFailed(_("{what}: the scaler's {key!r} is {got!r}, saved {saved!r}: "
+                               "load the whole of checkpoint['scaler'] with scaler.load_state_dict").format(
+            what=what, key=key, got=state.get(key), saved=saved["scaler"][key]))
     if state != fresh_state:
-        raise ExerciseFailed(f"{what}: this checkpoint holds no scaler state (its run had no loss scaling), so the fresh scaler "
-                             f"you were given should stay as it was, {fresh_state}; it is now {state}")
+        raise ExerciseFailed(_("{what}: this checkpoint holds no scaler state (its run had no loss scaling), so the fresh scaler "
+                               "you were given should stay as it was, {fresh}; it is now {state}").format(
+            what=what, fresh=fresh_state, state=state))
 
 
 def _call_resume(fn: Callable, args: tuple, shown: str, resumed: _AmpRun, resume_dtype: torch.dtype) -> Any:
@@ -1238,10 +1309,13 @@ def _call_resume(fn: Callable, args: tuple, shown: str, resumed: _AmpRun, resume
         return call(fn, *args, name="resume_amp", shown=shown, hints=_RESUME_HINTS)
     except ExerciseFailed as err:
         if resume_dtype != torch.float16 and resumed.scaler.is_enabled():
-            raise ExerciseFailed(f"{err} (the scaler you were given, disabled for this {_short(resume_dtype)} run, was switched "
-                                 "on: leave it disabled; loading into a disabled scaler does nothing)") from None
-        if " raised KeyError" in str(err):
-            raise ExerciseFailed(f"{err} (save_amp_checkpoint's keys are 'model', 'optimizer', 'scaler' and 'step')") from None
+            raise ExerciseFailed(_("{error} (the scaler you were given, disabled for this {dtype} run, was switched "
+                                   "on: leave it disabled; loading into a disabled scaler does nothing)").format(
+                error=err, dtype=_short(resume_dtype))) from None
+        # err.__context__: what the learner's function raised (call() says "raised" in the learner's language)
+        if type(err.__context__) is KeyError:
+            raise ExerciseFailed(_("{error} (save_amp_checkpoint's keys are 'model', 'optimizer', 'scaler' and 'step')").format(
+                error=err)) from None
         raise
 
 
@@ -1250,8 +1324,13 @@ def _call_resume(fn: Callable, args: tuple, shown: str, resumed: _AmpRun, resume
 def check_resume_amp(fn) -> None:
     for saved_dtype, resume_dtype, step in _RESUME_CASES:
         original = _trained_run(saved_dtype, step)
-        shown = (f"path (a {_short(saved_dtype)} run's checkpoint, step {step}), model, optimizer, "
-                 f"scaler ({'fresh' if resume_dtype == torch.float16 else 'disabled'}, for a {_short(resume_dtype)} run)")
+        if resume_dtype == torch.float16:
+            shown = _("path (a {saved_dtype} run's checkpoint, step {step}), model, optimizer, "
+                      "scaler (fresh, for a {resume_dtype} run)")
+        else:
+            shown = _("path (a {saved_dtype} run's checkpoint, step {step}), model, optimizer, "
+                      "scaler (disabled, for a {resume_dtype} run)")
+        shown = shown.format(saved_dtype=_short(saved_dtype), step=step, resume_dtype=_short(resume_dtype))
         what = f"resume_amp({shown})"
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "amp.pt"
@@ -1267,33 +1346,36 @@ def check_resume_amp(fn) -> None:
             with mock.patch.object(torch, "load", loads):
                 got = _call_resume(fn, (path, resumed.model, resumed.optimizer, resumed.scaler), shown, resumed, resume_dtype)
         if False in loads.weights_only:
-            raise ExerciseFailed(f"{what}: you read the file with torch.load(..., weights_only=False), which runs whatever code "
-                                 "a file carries: this one holds only tensors, dicts and numbers, so read it with weights_only=True")
+            raise ExerciseFailed(_("{what}: you read the file with torch.load(..., weights_only=False), which runs whatever code "
+                                   "a file carries: this one holds only tensors, dicts and numbers, so read it with weights_only=True").format(
+                what=what))
         if "default" in loads.weights_only:
-            raise ExerciseFailed(f"{what}: you called torch.load without weights_only=True: pass it, as the exercise asks; it is "
-                                 "the default only since torch 2.6, and saying it keeps a file from running code on any version")
+            raise ExerciseFailed(_("{what}: you called torch.load without weights_only=True: pass it, as the exercise asks; it is "
+                                   "the default only since torch 2.6, and saying it keeps a file from running code on any version").format(
+                what=what))
         if isinstance(got, torch.Tensor) and got.numel() == 1 and got.item() == step:
-            raise ExerciseFailed(f"{what} returned a tensor, expected the Python int {step}")
+            raise ExerciseFailed(_("{what} returned a tensor, expected the Python int {step}").format(what=what, step=step))
         if isinstance(got, int) and not isinstance(got, bool) and got == step + 1:
-            raise ExerciseFailed(f"{what} returned {got}, expected {step}: return the step stored in the checkpoint, not the next one")
+            raise ExerciseFailed(_("{what} returned {got}, expected {step}: return the step stored in the checkpoint, "
+                                   "not the next one").format(what=what, got=got, step=step))
         expect_equal(got, step, what=what)
         if any(p is not q for p, q in zip(resumed.model.parameters(), parameters)) or len(list(resumed.model.parameters())) != len(parameters):
-            raise ExerciseFailed(f"{what}: the model's parameters were replaced by new tensors (load_state_dict(..., assign=True) "
-                                 "does that), so the optimizer you were given no longer holds them and would train nothing: "
-                                 "load without assign, which copies the saved values into the existing parameters")
+            raise ExerciseFailed(_("{what}: the model's parameters were replaced by new tensors (load_state_dict(..., assign=True) "
+                                   "does that), so the optimizer you were given no longer holds them and would train nothing: "
+                                   "load without assign, which copies the saved values into the existing parameters").format(what=what))
         if any(not m.training for m in resumed.model.modules()):
-            raise ExerciseFailed(f"{what}: the model is now in eval mode; it was in training mode: a resumed run goes on "
-                                 "training, so leave the model's mode as the caller set it")
+            raise ExerciseFailed(_("{what}: the model is now in eval mode; it was in training mode: a resumed run goes on "
+                                   "training, so leave the model's mode as the caller set it").format(what=what))
         _resume_fault(what, resumed, saved, fresh_state, resume_dtype, log.swallowed())
         if saved_dtype == resume_dtype:  # the real test: the resumed run goes on exactly as the uninterrupted one
             _continue(original, 4, seed=802)
             try:
                 _continue(resumed, 4, seed=802)
             except Exception as err:  # noqa: BLE001 -- what the learner's resumed objects did, reported as theirs
-                raise ExerciseFailed(f"{what}: after your resume_amp, training on raised {type(err).__name__}: "
-                                     f"{first_line(err)}") from None
+                raise ExerciseFailed(_("{what}: after your resume_amp, training on raised {error}: {message}").format(
+                    what=what, error=type(err).__name__, message=first_line(err))) from None
             if not _same_tree(_params(resumed.model), _params(original.model)) or resumed.scaler.state_dict() != original.scaler.state_dict():
-                raise ExerciseFailed(f"{what}: the resumed run does not go on as the uninterrupted run does")
+                raise ExerciseFailed(_("{what}: the resumed run does not go on as the uninterrupted run does").format(what=what))
 
 
 # accumulate_step: as amp_step, over micro-batches of different sizes (the last one is often smaller). The same steps go
@@ -1315,7 +1397,7 @@ def _accumulate_batches(dtype: torch.dtype) -> tuple[list[list[tuple[torch.Tenso
 def _accumulate_variant(run: _AmpRun, micro: list, variant: str) -> None:
     """One accumulation step done one of the typical wrong ways (the diagnosis compares the learner's step with these)."""
     model, optimizer, scaler, dtype = run.model, run.optimizer, run.scaler, run.dtype
-    total, k = sum(len(y) for _, y in micro), len(micro)
+    total, k = sum(len(y) for _x, y in micro), len(micro)
     weight = {"mean_of_means": lambda n: 1 / k, "sum_of_means": lambda n: 1.0,
               "over_total": lambda n: 1 / total}.get(variant, lambda n: n / total)
     if variant != "no_zero":
@@ -1338,27 +1420,27 @@ def _accumulate_variant(run: _AmpRun, micro: list, variant: str) -> None:
 
 
 def _accumulate_mistakes(micro: list) -> list[tuple[str, str]]:
-    sizes, k, total = [len(y) for _, y in micro], len(micro), sum(len(y) for _, y in micro)
+    sizes, k, total = [len(y) for _x, y in micro], len(micro), sum(len(y) for _x, y in micro)
     return [
-        ("mean_of_means", f"each micro-batch's loss was divided by the number of micro-batches, {k}, which weights every sample of a "
-                          f"smaller micro-batch more (sizes here: {sizes}): weight each loss by its share of the samples, "
-                          "len(targets) / (all the samples of the step)"),
-        ("sum_of_means", f"the {k} micro-batch losses were added up unweighted, so the gradient is that of their sum, not of the "
-                         "mean over all the samples: weight each loss by its share of the samples"),
-        ("over_total", f"each micro-batch's loss, already a mean over its own samples, was divided by all the samples of the step, "
-                       f"{total}: weight it by its share instead, len(targets) / {total}"),
-        ("zero_each", "the gradients were cleared before each micro-batch, so only the last one counted: clear them once, "
-                      "before the first micro-batch"),
-        ("no_clip", "the gradients were not clipped: clip their total norm to max_norm after the last micro-batch"),
-        ("no_zero", "old gradients were still in .grad: clear them once, at the start of the step"),
-        ("clip_before_unscale", "the gradients were clipped while still scaled: call scaler.unscale_(optimizer) once, after the "
-                                "last micro-batch's backward, then clip"),
+        ("mean_of_means", _("each micro-batch's loss was divided by the number of micro-batches, {k}, which weights every sample of a "
+                            "smaller micro-batch more (sizes here: {sizes}): weight each loss by its share of the samples, "
+                            "len(targets) / (all the samples of the step)").format(k=k, sizes=sizes)),
+        ("sum_of_means", _("the {k} micro-batch losses were added up unweighted, so the gradient is that of their sum, not of the "
+                           "mean over all the samples: weight each loss by its share of the samples").format(k=k)),
+        ("over_total", _("each micro-batch's loss, already a mean over its own samples, was divided by all the samples of the step, "
+                         "{total}: weight it by its share instead, len(targets) / {total}").format(total=total)),
+        ("zero_each", _("the gradients were cleared before each micro-batch, so only the last one counted: clear them once, "
+                        "before the first micro-batch")),
+        ("no_clip", _("the gradients were not clipped: clip their total norm to max_norm after the last micro-batch")),
+        ("no_zero", _("old gradients were still in .grad: clear them once, at the start of the step")),
+        ("clip_before_unscale", _("the gradients were clipped while still scaled: call scaler.unscale_(optimizer) once, after the "
+                                  "last micro-batch's backward, then clip")),
     ]
 
 
-_ACC_HINTS = {**_AMP_HINTS,
-              "unscale_() has already been called": "unscale_ once per step, after the last micro-batch's backward: "
-                                                    "the scaled gradients of every micro-batch must be added up first"}
+_ACC_HINTS = {**_AMP_HINTS,  # call() translates the advice
+              "unscale_() has already been called": N_("unscale_ once per step, after the last micro-batch's backward: "
+                                                       "the scaled gradients of every micro-batch must be added up first")}
 
 
 @exercise("accumulate_step")
@@ -1372,14 +1454,15 @@ def _check_accumulate_precision(fn: Callable, dtype: torch.dtype) -> None:
     steps, nan_step, overflow_step = _accumulate_batches(dtype)
     mine, ref = _AmpRun(dtype), _AmpRun(dtype)
     watch = _Watch(mine)
-    scaler_note = "enabled" if dtype == torch.float16 else "disabled"
+    scaler_note = _("scaler (enabled)") if dtype == torch.float16 else _("scaler (disabled)")
     for step, micro in enumerate(steps):
-        sizes = [len(y) for _, y in micro]
-        shown = (f"model, {len(micro)} micro-batch{'es' if len(micro) > 1 else ''} of {', '.join(map(str, sizes))} rows, "
+        sizes = [len(y) for _x, y in micro]
+        batches = ngettext("{n} micro-batch of {sizes} rows", "{n} micro-batches of {sizes} rows", len(micro))
+        shown = (f"model, {batches.format(n=len(micro), sizes=', '.join(map(str, sizes)))}, "
                  "F.cross_entropy, optimizer, "
-                 f"scaler ({scaler_note}), {dtype}, max_norm={_ACC_MAX_NORM}")
-        what = (f"accumulate_step with dtype={dtype}, step {step} "
-                f"({len(micro)} micro-batch{'es' if len(micro) > 1 else ''} of {sizes} rows)")
+                 f"{scaler_note}, {dtype}, max_norm={_ACC_MAX_NORM}")
+        what = _("accumulate_step with dtype={dtype}, step {step} ({batches})").format(
+            dtype=dtype, step=step, batches=batches.format(n=len(micro), sizes=sizes))
         before = mine.state()  # the mistakes are simulated from the learner's own state, which may differ within tolerance
         mine.overflow = ref.overflow = step == overflow_step
         want = accumulate_step(ref.model, [(x.clone(), y.clone()) for x, y in micro], F.cross_entropy, ref.optimizer,
@@ -1394,27 +1477,31 @@ def _check_accumulate_precision(fn: Callable, dtype: torch.dtype) -> None:
                              "accumulate_step", shown, watch, _ACC_HINTS, per_micro_batch=True)
         mine.overflow = False
         if listed != given or any(not torch.equal(a, x) or not torch.equal(b, y) for (a, b), (x, y) in zip(given, micro)):
-            raise ExerciseFailed(f"{what}: the caller's list of micro-batches, or a tensor in it, changed: leave them as they were")
+            raise ExerciseFailed(_("{what}: the caller's list of micro-batches, or a tensor in it, changed: "
+                                   "leave them as they were").format(what=what))
         _judge_precision(what, dtype, mine, watch, [str(w.message) for w in caught], scale_before)
         if watch.forward_rows != sizes:
             if sum(watch.forward_rows) == sum(sizes) and len(watch.forward_rows) < len(sizes):
-                raise ExerciseFailed(f"{what}: the model ran on {watch.forward_rows} rows at a time: run it on each micro-batch "
-                                     f"on its own ({sizes} rows), as accumulation exists so that a large batch never has to be "
-                                     "in memory at once")
-            raise ExerciseFailed(f"{what}: the model ran on batches of {watch.forward_rows} rows, expected one call per "
-                                 f"micro-batch, {sizes}")
+                raise ExerciseFailed(_("{what}: the model ran on {rows} rows at a time: run it on each micro-batch "
+                                       "on its own ({sizes} rows), as accumulation exists so that a large batch never has to be "
+                                       "in memory at once").format(what=what, rows=watch.forward_rows, sizes=sizes))
+            raise ExerciseFailed(_("{what}: the model ran on batches of {rows} rows, expected one call per "
+                                   "micro-batch, {sizes}").format(what=what, rows=watch.forward_rows, sizes=sizes))
         if not isinstance(got, bool):
-            raise ExerciseFailed(f"{what} returned {type_name(got) if got is not None else 'None'}, expected a Python bool: "
-                                 "True when the weights were updated, False when the step was skipped")
+            raise ExerciseFailed(_("{what} returned {type}, expected a Python bool: "
+                                   "True when the weights were updated, False when the step was skipped").format(
+                what=what, type=type_name(got) if got is not None else "None"))
         if watch.steps > 1:
-            raise ExerciseFailed(f"{what}: the optimizer stepped {watch.steps} times in one call: step once, after the last micro-batch")
+            raise ExerciseFailed(_("{what}: the optimizer stepped {n} times in one call: step once, after the last micro-batch").format(
+                what=what, n=watch.steps))
         if watch.log.count("update") > 1:
-            raise ExerciseFailed(f"{what}: scaler.update() ran {watch.log.count('update')} times in one call: every micro-batch "
-                                 "of a step must be scaled by the same scale, so update once, after the step")
+            raise ExerciseFailed(_("{what}: scaler.update() ran {n} times in one call: every micro-batch "
+                                   "of a step must be scaled by the same scale, so update once, after the step").format(
+                what=what, n=watch.log.count("update")))
         _judge_order(what, dtype, watch)
         if not want:
-            cause = ("the loss of one micro-batch was NaN (an inf in its inputs)" if step == nan_step else
-                     _skip_cause(step, nan_step, overflow_step))
+            cause = (N_("the loss of one micro-batch was NaN (an inf in its inputs)") if step == nan_step else
+                     _skip_cause(step, nan_step, overflow_step))  # English: _judge_skip reads it, then translates it
             _judge_skip(what, dtype, cause, mine, ref, got, watch, weights_before, scale_before)
             continue
         after, expected = _params(mine.model), _params(ref.model)
@@ -1427,5 +1514,5 @@ def _check_accumulate_precision(fn: Callable, dtype: torch.dtype) -> None:
                 simulated = _AmpRun.from_state(dtype, before)
                 _accumulate_variant(simulated, [(x.clone(), y.clone()) for x, y in micro], variant)
                 if _same_step(mine, after, simulated):
-                    raise ExerciseFailed(f"{what}: {message}")
+                    raise ExerciseFailed(_("{what}: {problem}").format(what=what, problem=message))
         _judge_good_step(what, got, watch, mine, ref, name, after, expected, _ACC_MAX_NORM, scale_before)

@@ -38,6 +38,7 @@ from course_utils.tooling.checks import (
     scoreboard_for,
     stub_function,
 )
+from course_utils.tooling.language import N_, _
 
 scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
@@ -270,33 +271,40 @@ def _graph_break(err: BaseException) -> BaseException | None:
     return None
 
 
-def _where_dynamo_stopped(err: BaseException) -> str:
-    """' at `line`' for the learner's line at which Dynamo raised, when Dynamo says."""
+def _where_dynamo_stopped(err: BaseException) -> str | None:
+    """The learner's line at which Dynamo raised, stripped, when Dynamo says; else None."""
     stack = getattr(err, "real_stack", None) or []
     for frame in reversed(stack):
         if frame.line:
-            return f" at `{frame.line.strip()}`"
-    return ""
+            return frame.line.strip()
+    return None
 
 
-_BREAK_ADVICE = {  # Dynamo's reason -> what it means; only where the reason says it all
-    "Data-dependent branching": "a Python `if` (or and/or, bool()) on a tensor's value: compute both outcomes with tensor operations (torch.where, a mask)",
-    "Could not guard on data-dependent expression": "a Python decision on a number read from a tensor (.item(), float(), int(), .tolist()): keep it a tensor",
-    "Dynamic shape operator": "an operation whose output size depends on the data (boolean-mask indexing, nonzero): keep the shape fixed and use the mask as weights",
-    "Unsupported Tensor.item() call": "a tensor turned into a Python number (.item(), float(), int()): keep it a tensor",
-    "Unsupported Tensor.tolist() call": "a tensor turned into Python numbers (.tolist()): keep it a tensor",
+_BREAK_ADVICE = {  # Dynamo's reason -> what it means; only where the reason says it all (translated when shown)
+    "Data-dependent branching": N_("a Python `if` (or and/or, bool()) on a tensor's value: compute both outcomes with tensor operations (torch.where, a mask)"),
+    "Could not guard on data-dependent expression": N_("a Python decision on a number read from a tensor (.item(), float(), int(), .tolist()): keep it a tensor"),
+    "Dynamic shape operator": N_("an operation whose output size depends on the data (boolean-mask indexing, nonzero): keep the shape fixed and use the mask as weights"),
+    "Unsupported Tensor.item() call": N_("a tensor turned into a Python number (.item(), float(), int()): keep it a tensor"),
+    "Unsupported Tensor.tolist() call": N_("a tensor turned into Python numbers (.tolist()): keep it a tensor"),
 }
+_PRINT_ADVICE = N_("print() cannot go in a graph: take it out of the function")
 
 
-def _break_message(err: BaseException) -> str:
-    """'at `line`: reason (advice)' for a Dynamo error."""
+def _break_message(err: BaseException, label: str, hint: str) -> str:
+    """'compiled {label}, Dynamo breaks the graph at `line`: reason (advice){hint}' for a Dynamo error."""
     lines = str(err).strip().splitlines()
     reason = lines[0] if lines else type(err).__name__
-    if "print" in _where_dynamo_stopped(err) or ("builtin" in reason and "print" in str(err)):
-        advice = "print() cannot go in a graph: take it out of the function"
+    line = _where_dynamo_stopped(err)
+    if "print" in (line or "") or ("builtin" in reason and "print" in str(err)):
+        advice = _PRINT_ADVICE
     else:
         advice = next((text for key, text in _BREAK_ADVICE.items() if key in str(err)), "")
-    return f"{_where_dynamo_stopped(err)}: {reason}" + (f" ({advice})" if advice else "")
+    shown_advice = _(" ({advice})").format(advice=_(advice)) if advice else ""
+    if line is None:
+        return _("compiled {label}, Dynamo breaks the graph: {reason}{advice}{hint}").format(
+            label=label, reason=reason, advice=shown_advice, hint=hint)
+    return _("compiled {label}, Dynamo breaks the graph at `{line}`: {reason}{advice}{hint}").format(
+        label=label, line=line, reason=reason, advice=shown_advice, hint=hint)
 
 
 @contextlib.contextmanager
@@ -338,8 +346,8 @@ class _GuardedNet(nn.Module):
         return y
 
 
-_SERVING_HINTS = {
-    "Expected more than 1 value per channel when training": "batch norm in train mode cannot normalise a batch of 1: switch the model to eval mode first",
+_SERVING_HINTS = {  # call() translates hints when it shows them
+    "Expected more than 1 value per channel when training": N_("batch norm in train mode cannot normalise a batch of 1: switch the model to eval mode first"),
 }
 
 
@@ -348,63 +356,69 @@ def _serve_once(fn: Callable, mode: str, batch: int, seed: int) -> None:
     reference = copy.deepcopy(model).eval()
     g = torch.Generator().manual_seed(seed)
     example, later = torch.randn(batch, 6, generator=g), torch.randn(batch, 6, generator=g)
-    shown = f"model, example of shape ({batch}, 6), mode={mode!r}"
+    shown = _("model, example of shape ({batch}, 6), mode={mode!r}").format(batch=batch, mode=mode)
     spy = _CompileSpy(model)
     with spy.watching():
         compiled = call(fn, model, example.clone(), mode, shown=shown, hints=_SERVING_HINTS)
         n_calls, n_graphs = len(spy.calls), len(spy.graphs)
         if compiled is None:
             raise ExerciseFailed(
-                "compile_for_serving returned None: return the compiled module "
-                "(model.compile() compiles in place and returns None; torch.compile(model) returns a new module)"
+                _("compile_for_serving returned None: return the compiled module "
+                  "(model.compile() compiles in place and returns None; torch.compile(model) returns a new module)")
             )
         if n_calls == 0:
-            raise ExerciseFailed("torch.compile was never called: the model came back uncompiled")
+            raise ExerciseFailed(_("torch.compile was never called: the model came back uncompiled"))
         if n_calls > 1:
-            raise ExerciseFailed(f"torch.compile was called {n_calls} times for one model: compile it once")
+            raise ExerciseFailed(_("torch.compile was called {n} times for one model: compile it once").format(n=n_calls))
         if not isinstance(compiled, nn.Module):
-            raise ExerciseFailed(f"compile_for_serving returned {a_type(compiled)}, expected the compiled module (a torch.nn.Module)")
+            raise ExerciseFailed(_("compile_for_serving returned {a_type}, expected the compiled module (a torch.nn.Module)").format(
+                a_type=a_type(compiled)))
         got_mode = spy.calls[0][1].get("mode")
         if got_mode != mode:
-            raise ExerciseFailed(f"({shown}): torch.compile got mode={got_mode!r}, expected the mode you were given, {mode!r}")
+            raise ExerciseFailed(_("({shown}): torch.compile got mode={got!r}, expected the mode you were given, {expected!r}").format(
+                shown=shown, got=got_mode, expected=mode))
         if {id(p) for p in compiled.parameters()} != {id(p) for p in model.parameters()}:
-            raise ExerciseFailed("the compiled module has its own copy of the weights: compile the model you were given, not a copy")
+            raise ExerciseFailed(_("the compiled module has its own copy of the weights: compile the model you were given, not a copy"))
         if model.training:
-            raise ExerciseFailed("the model is still in train mode: switch it to eval mode, so that dropout is off and batch norm uses its running statistics")
+            raise ExerciseFailed(_("the model is still in train mode: switch it to eval mode, "
+                                   "so that dropout is off and batch norm uses its running statistics"))
         if n_graphs == 0:
-            raise ExerciseFailed("nothing was compiled yet: torch.compile is lazy and compiles on the first call; warm the compiled model up on `example`")
+            raise ExerciseFailed(_("nothing was compiled yet: torch.compile is lazy and compiles on the first call; "
+                                   "warm the compiled model up on `example`"))
         runs_before = spy.runs
+        name, batch_shown = _("the compiled model"), _("a batch of shape {shape}").format(shape=(batch, 6))
         with torch.no_grad():  # how the server calls it: same shape, new values, gradients off
-            got = call(compiled, later.clone(), name="the compiled model", shown=f"a batch of shape ({batch}, 6)", kind="callable")
-            call(compiled, later.clone(), name="the compiled model", shown=f"a batch of shape ({batch}, 6)", kind="callable")
+            got = call(compiled, later.clone(), name=name, shown=batch_shown, kind="callable")
+            call(compiled, later.clone(), name=name, shown=batch_shown, kind="callable")
         served_runs = spy.runs - runs_before
     if len(spy.calls) > n_calls:
-        raise ExerciseFailed("torch.compile ran again while the model ran: compile once, in compile_for_serving, and return that module")
+        raise ExerciseFailed(_("torch.compile ran again while the model ran: compile once, in compile_for_serving, and return that module"))
     if len(spy.graphs) > n_graphs:
         warm = spy.graphs[:n_graphs]
         if all(graph.training for graph in warm):
             raise ExerciseFailed(
-                "the warm-up ran in train mode, so the first call in eval mode compiled again: "
-                "switch to eval mode before the warm-up (Dynamo guards on the training flag)"
+                _("the warm-up ran in train mode, so the first call in eval mode compiled again: "
+                  "switch to eval mode before the warm-up (Dynamo guards on the training flag)")
             )
         if any(graph.inference for graph in warm):
             raise ExerciseFailed(
-                "the warm-up ran under torch.inference_mode(), so the first call under torch.no_grad() compiled again: "
-                "warm up under torch.no_grad(), as the model will be called"
+                _("the warm-up ran under torch.inference_mode(), so the first call under torch.no_grad() compiled again: "
+                  "warm up under torch.no_grad(), as the model will be called")
             )
         if all(graph.grad for graph in warm):
             raise ExerciseFailed(
-                "the warm-up ran with gradients on, so the first call under torch.no_grad() compiled again: "
-                "warm up inside `with torch.no_grad():` (Dynamo guards on grad mode)"
+                _("the warm-up ran with gradients on, so the first call under torch.no_grad() compiled again: "
+                  "warm up inside `with torch.no_grad():` (Dynamo guards on grad mode)")
             )
-        raise ExerciseFailed("a later call with the same input shape compiled again: warm up the way the model will be called")
+        raise ExerciseFailed(_("a later call with the same input shape compiled again: warm up the way the model will be called"))
     if served_runs < 2:
         raise ExerciseFailed(
-            "the module you returned ran no compiled code when the server called it (the warm-up did): return the compiled "
-            "module itself, the one torch.compile returned, or the model after model.compile(), not the original")
+            _("the module you returned ran no compiled code when the server called it (the warm-up did): return the compiled "
+              "module itself, the one torch.compile returned, or the model after model.compile(), not the original"))
     with torch.no_grad():
         expected = reference(later)
-    expect_tensor(got, expected, what=f"the compiled model's output for a new batch of shape ({batch}, 6)", atol=1e-5)
+    expect_tensor(got, expected, what=_("the compiled model's output for a new batch of shape {shape}").format(shape=(batch, 6)),
+                  atol=1e-5)
 
 
 def _serve_with_a_break(fn: Callable) -> None:
@@ -423,18 +437,20 @@ def _serve_with_a_break(fn: Callable) -> None:
         return False
 
     with spy.watching():
-        refused = call(attempt, name="compile_for_serving", shown="a model with a graph break, example of shape (4, 6), mode='default'")
+        refused = call(attempt, name="compile_for_serving",
+                       shown=_("a model with a graph break, example of shape (4, 6), mode='default'"))
     if refused:
         return
     if not spy.calls:
-        raise ExerciseFailed("for a model with a graph break, torch.compile was never called")
+        raise ExerciseFailed(_("for a model with a graph break, torch.compile was never called"))
     if spy.calls[-1][1].get("fullgraph") is not True:
         raise ExerciseFailed(
-            "a model with a graph break (a Python `if` on a tensor) compiled silently, in pieces: "
-            "compile with fullgraph=True, so that the warm-up raises at the break"
+            _("a model with a graph break (a Python `if` on a tensor) compiled silently, in pieces: "
+              "compile with fullgraph=True, so that the warm-up raises at the break")
         )
     raise ExerciseFailed(
-        "for a model with a graph break, the warm-up raised Dynamo's error but compile_for_serving returned normally: let that error reach the caller"
+        _("for a model with a graph break, the warm-up raised Dynamo's error but compile_for_serving returned normally: "
+          "let that error reach the caller")
     )
 
 
@@ -458,11 +474,11 @@ def _pool_cases() -> list[tuple[torch.Tensor, torch.Tensor, str]]:
     tiny[0] *= 1e-9  # a row whose mean has a norm far below 1e-6
     odd = torch.randn(4, 3, 7, generator=g, dtype=torch.float64).transpose(1, 2)  # (4, 7, 3), not contiguous
     return [
-        (torch.randn(3, 5, 4, generator=g), mixed, "h (3, 5, 4) with a partly padded row, a row of padding only and a full row"),
-        (torch.randn(1, 1, 6, generator=g), torch.ones(1, 1, dtype=torch.bool), "h (1, 1, 6): a batch of 1, one position"),
-        (torch.randn(1, 3, 2, generator=g), torch.zeros(1, 3, dtype=torch.bool), "h (1, 3, 2): a batch of 1, padding only"),
-        (tiny, torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1]], dtype=torch.bool), "h (2, 4, 3) whose first row is about 1e-9"),
-        (odd, torch.rand(4, 7, generator=g) > 0.4, "h (4, 7, 3) of float64, not contiguous"),
+        (torch.randn(3, 5, 4, generator=g), mixed, _("h (3, 5, 4) with a partly padded row, a row of padding only and a full row")),
+        (torch.randn(1, 1, 6, generator=g), torch.ones(1, 1, dtype=torch.bool), _("h (1, 1, 6): a batch of 1, one position")),
+        (torch.randn(1, 3, 2, generator=g), torch.zeros(1, 3, dtype=torch.bool), _("h (1, 3, 2): a batch of 1, padding only")),
+        (tiny, torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1]], dtype=torch.bool), _("h (2, 4, 3) whose first row is about 1e-9")),
+        (odd, torch.rand(4, 7, generator=g) > 0.4, _("h (4, 7, 3) of float64, not contiguous")),
     ]
 
 
@@ -475,18 +491,22 @@ def _pool_fault(got: Any, h: torch.Tensor, mask: torch.Tensor, what: str) -> Non
         return
     empty = ~mask.any(dim=1)
     if torch.isnan(got).any() and empty.any() and not torch.isnan(got[~empty]).any():
-        raise ExerciseFailed(f"{what}: the row of padding only gave NaN: its mean divides 0 by a count of 0; it should be zeros")
+        raise ExerciseFailed(_("{what}: the row of padding only gave NaN: its mean divides 0 by a count of 0; it should be zeros").format(
+            what=what))
     weights = mask.unsqueeze(-1).to(h.dtype)
     pooled = (h * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
     if torch.allclose(got, pooled, atol=1e-5, rtol=1e-4):
-        raise ExerciseFailed(f"{what}: the means are right but not normalised: divide each by its norm, clamped at 1e-6, as pool_with_breaks does")
+        raise ExerciseFailed(_("{what}: the means are right but not normalised: divide each by its norm, clamped at 1e-6, "
+                               "as pool_with_breaks does").format(what=what))
     if torch.allclose(got, F.normalize(pooled, dim=1), atol=1e-5, rtol=1e-4):
         raise ExerciseFailed(
-            f"{what}: a row whose mean has a norm below 1e-6 was scaled up to norm 1; pool_with_breaks divides by the norm clamped at 1e-6"
+            _("{what}: a row whose mean has a norm below 1e-6 was scaled up to norm 1; "
+              "pool_with_breaks divides by the norm clamped at 1e-6").format(what=what)
         )
     everything = h.mean(dim=1)
     if torch.allclose(got, everything / everything.norm(dim=1, keepdim=True).clamp(min=1e-6), atol=1e-5, rtol=1e-4):
-        raise ExerciseFailed(f"{what}: the padding positions were averaged in: only the positions where mask is True count")
+        raise ExerciseFailed(_("{what}: the padding positions were averaged in: only the positions where mask is True count").format(
+            what=what))
     expect_tensor(got, expected, what=what, atol=1e-5, rtol=1e-4)
 
 
@@ -503,10 +523,11 @@ def check_masked_mean_pool(fn) -> None:
     h, mask, description = cases[0]
     expected = masked_mean_pool(h, mask)
     # backend="eager": where Dynamo breaks a graph is decided before any backend runs, so Inductor would see the same.
-    for label, compile_it in (
-        ("with fullgraph=True", lambda: torch.compile(fn, fullgraph=True, backend="eager")),
-        ("with the default fullgraph=False", lambda: torch.compile(fn, backend="eager")),
+    for fullgraph, label, compile_it in (
+        (True, N_("with fullgraph=True"), lambda: torch.compile(fn, fullgraph=True, backend="eager")),
+        (False, N_("with the default fullgraph=False"), lambda: torch.compile(fn, backend="eager")),
     ):
+        label = _(label)
         torch.compiler.reset()
         try:
             with torch._dynamo.error_on_graph_break(True):  # private switch: any graph break raises, with its reason
@@ -514,12 +535,15 @@ def check_masked_mean_pool(fn) -> None:
         except Exception as err:  # noqa: BLE001 -- Dynamo's verdict on the learner's code
             dynamo = _graph_break(err)
             if dynamo is None:
-                raise ExerciseFailed(f"compiled {label}, masked_mean_pool({description}) raised {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}") from None
+                raise ExerciseFailed(_("compiled {label}, {call} raised {error}: {message}").format(
+                    label=label, call=f"masked_mean_pool({description})", error=type(err).__name__,
+                    message=str(err).strip().splitlines()[0] if str(err).strip() else "")) from None
             lines = str(dynamo).strip().splitlines()
-            hint = (" (fullgraph=True captures it as a symbolic value or size; with the default settings it is a break)"
-                    if "default" in label and not any(k in (lines[0] if lines else "") for k in ("Data-dependent branching", "builtin")) else "")
-            raise ExerciseFailed(f"compiled {label}, Dynamo breaks the graph{_break_message(dynamo)}{hint}") from None
-        expect_tensor(got, expected, what=f"compiled {label}, masked_mean_pool({description})", atol=1e-5, rtol=1e-4)
+            hint = (_(" (fullgraph=True captures it as a symbolic value or size; with the default settings it is a break)")
+                    if not fullgraph and not any(k in (lines[0] if lines else "") for k in ("Data-dependent branching", "builtin")) else "")
+            raise ExerciseFailed(_break_message(dynamo, label, hint)) from None
+        expect_tensor(got, expected, what=_("compiled {label}, {call}").format(label=label, call=f"masked_mean_pool({description})"),
+                      atol=1e-5, rtol=1e-4)
 
 
 # Exercise 3: compile_with_eager_monitors
@@ -562,57 +586,63 @@ def check_compile_with_eager_monitors(fn) -> None:
     outputs, graphs_after_first_call = [], 0
     with _class_guard(ActivationMonitor, ("forward", "__call__")) as changed:
         with spy.watching():
-            compiled = call(fn, model, shown="a model with 2 ActivationMonitors")
+            compiled = call(fn, model, shown=_("a model with 2 ActivationMonitors"))
             if compiled is None:
-                raise ExerciseFailed("compile_with_eager_monitors returned None: return the compiled model (model.compile() returns None)")
+                raise ExerciseFailed(_("compile_with_eager_monitors returned None: return the compiled model (model.compile() returns None)"))
             if not callable(compiled):
-                raise ExerciseFailed(f"compile_with_eager_monitors returned {a_type(compiled)}, expected the compiled model")
+                raise ExerciseFailed(_("compile_with_eager_monitors returned {a_type}, expected the compiled model").format(
+                    a_type=a_type(compiled)))
             calls = len(spy.calls)
             for x in batches:
-                outputs.append(call(compiled, x.clone(), name="the compiled model", shown="a batch of shape (7, 6)", kind="callable"))
+                outputs.append(call(compiled, x.clone(), name=_("the compiled model"),
+                                    shown=_("a batch of shape {shape}").format(shape=(7, 6)), kind="callable"))
                 graphs_after_first_call = graphs_after_first_call or len(spy.graphs)
     if changed:
         raise ExerciseFailed(
-            f"you changed ActivationMonitor.{changed[0]} on the class itself, which changes every model that uses it: "
-            "change only the monitors inside this model"
+            _("you changed ActivationMonitor.{method} on the class itself, which changes every model that uses it: "
+              "change only the monitors inside this model").format(method=changed[0])
         )
     if calls == 0:
-        raise ExerciseFailed("torch.compile was never called: return the model compiled")
+        raise ExerciseFailed(_("torch.compile was never called: return the model compiled"))
     if not spy.graphs:
-        raise ExerciseFailed("nothing was compiled: Dynamo captured no graph while the model ran; compile the model, and keep only its monitors out")
+        raise ExerciseFailed(_("nothing was compiled: Dynamo captured no graph while the model ran; "
+                               "compile the model, and keep only its monitors out"))
     if any("amax" in graph.ops for graph in spy.graphs):
         raise ExerciseFailed(
-            "Dynamo still traced an ActivationMonitor: its operations (abs, amax) are in a compiled graph. "
-            "The model holds monitors at 'monitor' and 'block.monitor' (one nested in a submodule): each must run eagerly"
+            _("Dynamo still traced an ActivationMonitor: its operations (abs, amax) are in a compiled graph. "
+              "The model holds monitors at 'monitor' and 'block.monitor' (one nested in a submodule): each must run eagerly")
         )
     expected = [reference(x) for x in batches]  # fills the reference monitors' records too
     for name, (monitor, ref) in monitors.items():
         if len(monitor.records) != len(batches):
             raise ExerciseFailed(
-                f"the monitor at '{name}' recorded {len(monitor.records)} times in {len(batches)} calls of the compiled model: "
-                "keep every monitor in the model, recording at each call"
+                _("the monitor at '{name}' recorded {records} times in {calls} calls of the compiled model: "
+                  "keep every monitor in the model, recording at each call").format(
+                    name=name, records=len(monitor.records), calls=len(batches))
             )
         for got, want in zip(monitor.records, ref.records):
             if not (isinstance(got, list) and len(got) == len(want) and all(isinstance(a, float) and abs(a - b) <= 1e-5 for a, b in zip(got, want))):
-                raise ExerciseFailed(f"the monitor at '{name}' recorded {str(got)[:60]}, expected {str([round(v, 4) for v in want])[:60]}")
+                raise ExerciseFailed(_("the monitor at '{name}' recorded {got}, expected {expected}").format(
+                    name=name, got=str(got)[:60], expected=str([round(v, 4) for v in want])[:60]))
     linears = sum(graph.ops.count("linear") for graph in spy.graphs)
     if linears < 3:
         raise ExerciseFailed(
-            f"only {linears} of the model's 3 Linear layers ran in a compiled graph: compile the whole model, with only the monitors left out"
+            _("only {n} of the model's 3 Linear layers ran in a compiled graph: "
+              "compile the whole model, with only the monitors left out").format(n=linears)
         )
     between = [op for op in ("relu", "tanh") if not any(op in graph.ops for graph in spy.graphs)]
     if between:
         raise ExerciseFailed(
-            f"the model's own code between the monitors ran eagerly ({', '.join(between)} in no compiled graph): "
-            "compile the whole model, with only the monitors left out"
+            _("the model's own code between the monitors ran eagerly ({ops} in no compiled graph): "
+              "compile the whole model, with only the monitors left out").format(ops=", ".join(between))
         )
     if graphs_after_first_call > len(monitors) + 1:
         raise ExerciseFailed(
-            f"one call of the compiled model captured {graphs_after_first_call} graphs; "
-            "with one graph break at each of the 2 monitors, expected at most 3"
+            _("one call of the compiled model captured {n} graphs; "
+              "with one graph break at each of the 2 monitors, expected at most 3").format(n=graphs_after_first_call)
         )
     for got, want in zip(outputs, expected):
-        expect_tensor(got, want, what="the compiled model's output for a batch of shape (7, 6)", atol=1e-5)
+        expect_tensor(got, want, what=_("the compiled model's output for a batch of shape {shape}").format(shape=(7, 6)), atol=1e-5)
 
 
 # Exercise 4: bucketed_predict
@@ -633,7 +663,8 @@ class _SizeRecorder(nn.Module):
             found = re.search(r"got (\w+)\('(.+?)'\)", str(err))
             if found is None:
                 raise
-            raise RuntimeError(f"{found.group(2)} ({found.group(1)} in the model, seen by Dynamo)") from None
+            raise RuntimeError(_("{message} ({error} in the model, seen by Dynamo)").format(
+                message=found.group(2), error=found.group(1))) from None
 
 
 def _expected_sizes(n: int, buckets: tuple[int, ...]) -> list[int]:
@@ -656,28 +687,35 @@ def check_bucketed_predict(fn) -> None:
             batch = torch.randn(n, 5, generator=g)
             before = batch.clone()
             recorder.sizes.clear()
-            shown = f"model, batch of shape ({n}, 5), buckets={buckets}"
+            shown = _("model, batch of shape ({n}, 5), buckets={buckets}").format(n=n, buckets=buckets)
             got = call(fn, recorder, batch, buckets, shown=shown)
             expect_unchanged(before, batch, what="bucketed_predict")
             sizes, wanted = list(recorder.sizes), _expected_sizes(n, buckets)
             if not sizes:
-                raise ExerciseFailed(f"({shown}): the model was never called")
+                raise ExerciseFailed(_("({shown}): the model was never called").format(shown=shown))
             odd = [s for s in sizes if s not in buckets]
             if odd and n > max(buckets) and odd == [n]:
-                raise ExerciseFailed(f"a batch of {n} ran at size {n}, which is larger than the largest bucket ({max(buckets)}): run it in chunks of {max(buckets)}")
+                raise ExerciseFailed(_("a batch of {n} ran at size {n}, which is larger than the largest bucket ({largest}): "
+                                       "run it in chunks of {largest}").format(n=n, largest=max(buckets)))
             if odd:
-                raise ExerciseFailed(f"a batch of {n} ran the model at size {odd[0]}, not a bucket size {buckets}: pad every chunk, the last one too")
+                raise ExerciseFailed(_("a batch of {n} ran the model at size {size}, not a bucket size {buckets}: "
+                                       "pad every chunk, the last one too").format(n=n, size=odd[0], buckets=buckets))
             if sizes != wanted:
                 if n <= max(buckets) and len(sizes) == 1 and sizes[0] > wanted[0]:
                     raise ExerciseFailed(
-                        f"a batch of {n} ran at sizes {sizes}, expected {wanted}: use the smallest bucket that holds the rows (a bucket of exactly n rows holds n)"
+                        _("a batch of {n} ran at sizes {sizes}, expected {expected}: use the smallest bucket that holds the rows "
+                          "(a bucket of exactly n rows holds n)").format(n=n, sizes=sizes, expected=wanted)
                     )
-                raise ExerciseFailed(f"a batch of {n} ran the model at sizes {sizes}, expected {wanted} (chunks of {max(buckets)}, each padded to the smallest bucket that holds it)")
+                raise ExerciseFailed(_("a batch of {n} ran the model at sizes {sizes}, expected {expected} "
+                                       "(chunks of {largest}, each padded to the smallest bucket that holds it)").format(
+                    n=n, sizes=sizes, expected=wanted, largest=max(buckets)))
             if isinstance(got, torch.Tensor) and got.ndim == 2 and len(got) == sum(sizes) != n:
-                raise ExerciseFailed(f"({shown}): returned {len(got)} rows, the padding rows' outputs too: keep only the {n} rows of the batch")
+                raise ExerciseFailed(_("({shown}): returned {rows} rows, the padding rows' outputs too: "
+                                       "keep only the {n} rows of the batch").format(shown=shown, rows=len(got), n=n))
             expect_tensor(got, net(batch), what=f"bucketed_predict({shown})", atol=1e-5)
     if len(spy.graphs) > len(buckets):
-        raise ExerciseFailed(f"the model compiled {len(spy.graphs)} graphs for {len(buckets)} buckets")
+        raise ExerciseFailed(_("the model compiled {graphs} graphs for {buckets} buckets").format(
+            graphs=len(spy.graphs), buckets=len(buckets)))
 
 
 # Exercise 5: compile_repeated_blocks. A model with two stacks of different block classes (one nested in a submodule,
@@ -715,7 +753,7 @@ class _Refiner(nn.Module):
 class _Encoder(nn.Module):
     def __init__(self, width: int, depth: int):
         super().__init__()
-        self.layers = nn.ModuleList(_EncoderBlock(width) for _ in range(depth))
+        self.layers = nn.ModuleList(_EncoderBlock(width) for _block in range(depth))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -752,18 +790,18 @@ def _compiled_modules(target: Any, result: Any, model: nn.Module, names_of: dict
         return [names_of[id(owner)]]
     users = [name for name, module in model.named_modules()
              if getattr(module.__dict__.get("forward"), "__func__", module.__dict__.get("forward")) is result]
-    return users or ["a function or module outside the model"]
+    return users or [_("a function or module outside the model")]
 
 
 def _not_a_stack(name: str, module: nn.Module) -> str:
     """Why a container the learner compiled, or whose modules they compiled, is not a stack of repeated blocks."""
     blocks = list(module.children())
     if len(blocks) < 2:
-        return (f"{name} holds a single module: nothing repeats, so compiling it costs a compile of its own that no other "
-                "block reuses; compile only stacks of two or more blocks of one class")
+        return _("{name} holds a single module: nothing repeats, so compiling it costs a compile of its own that no other "
+                 "block reuses; compile only stacks of two or more blocks of one class").format(name=name)
     classes = ", ".join(dict.fromkeys(type(b).__name__ for b in blocks))
-    return (f"{name} holds modules of different classes ({classes}): each would compile a graph of its own, used once; "
-            "compile only stacks of blocks of one class")
+    return _("{name} holds modules of different classes ({classes}): each would compile a graph of its own, used once; "
+             "compile only stacks of blocks of one class").format(name=name, classes=classes)
 
 
 @exercise("compile_repeated_blocks")
@@ -783,58 +821,67 @@ def check_compile_repeated_blocks(fn) -> None:
     with contextlib.ExitStack() as guards:
         changed = [guards.enter_context(_class_guard(cls, ("forward", "__call__", "_call_impl"))) for cls in classes]
         with spy.watching():
-            result = call(fn, model, shown="a model with stacks of repeated blocks")
+            result = call(fn, model, shown=_("a model with stacks of repeated blocks"))
             calls = list(spy.calls)
             runs_before = spy.runs
-            out = call(model, x.clone(), name="the model after compile_repeated_blocks", shown="a batch of shape (6, 7)",
-                       kind="callable")
+            out = call(model, x.clone(), name=_("the model after compile_repeated_blocks"),
+                       shown=_("a batch of shape {shape}").format(shape=(6, 7)), kind="callable")
             runs = spy.runs - runs_before
     patched = next(((cls.__name__, names[0]) for cls, names in zip(classes, changed) if names), None)
     if patched:
-        raise ExerciseFailed(f"you changed the class {patched[0]} itself ({patched[1]}), which changes every model that uses it: "
-                             "compile this model's blocks, in place")
-    compiled = [name for (target, _), result in zip(calls, spy.compiled) for name in _compiled_modules(target, result, model, names_of)]
+        raise ExerciseFailed(_("you changed the class {cls} itself ({method}), which changes every model that uses it: "
+                               "compile this model's blocks, in place").format(cls=patched[0], method=patched[1]))
+    compiled = [name for (target, _kwargs), result in zip(calls, spy.compiled) for name in _compiled_modules(target, result, model, names_of)]
     if "" in compiled:
-        raise ExerciseFailed("you compiled the whole model: compile each block of each stack of repeated blocks, in place, "
-                             "so that one small graph per block class is compiled and reused")
+        raise ExerciseFailed(_("you compiled the whole model: compile each block of each stack of repeated blocks, in place, "
+                               "so that one small graph per block class is compiled and reused"))
     for name in compiled:
         if name in stacks:
-            raise ExerciseFailed(f"you compiled the stack {name} as one module: its blocks are traced into one graph, each copy "
-                                 "again, and nothing is reused; compile each block in it")
+            raise ExerciseFailed(_("you compiled the stack {name} as one module: its blocks are traced into one graph, each copy "
+                                   "again, and nothing is reused; compile each block in it").format(name=name))
         if name not in blocks:
             parent = name.rsplit(".", 1)[0] if "." in name else None
             if parent is not None and parent in objects and isinstance(objects[parent], (nn.ModuleList, nn.Sequential)):
-                raise ExerciseFailed(f"you compiled {name}: {_not_a_stack(parent, objects[parent])}")
-            raise ExerciseFailed(f"you compiled {name}, which is not a block of a stack of repeated blocks: leave it eager")
+                raise ExerciseFailed(_("you compiled {name}: {reason}").format(name=name, reason=_not_a_stack(parent, objects[parent])))
+            raise ExerciseFailed(_("you compiled {name}, which is not a block of a stack of repeated blocks: leave it eager").format(
+                name=name))
     missing = [name for name in stacks if not any(c.startswith(name + ".") for c in compiled)]
     if missing:
-        where = ("a stack can be an nn.Sequential as well as an nn.ModuleList" if isinstance(stacks[missing[0]], nn.Sequential)
-                 else "look at every module, at any depth (model.named_modules())")
-        raise ExerciseFailed(f"the blocks of {missing[0]} ({len(list(stacks[missing[0]].children()))} "
-                             f"{type(next(stacks[missing[0]].children())).__name__}s) were not compiled: {where}")
+        where = (_("a stack can be an nn.Sequential as well as an nn.ModuleList") if isinstance(stacks[missing[0]], nn.Sequential)
+                 else _("look at every module, at any depth (model.named_modules())"))
+        raise ExerciseFailed(_("the blocks of {name} ({n} {block_class}s) were not compiled: {advice}").format(
+            name=missing[0], n=len(list(stacks[missing[0]].children())),
+            block_class=type(next(stacks[missing[0]].children())).__name__, advice=where))
     partly = next((name for name in blocks if name not in compiled), None)
     if partly:
-        raise ExerciseFailed(f"the block {partly} was not compiled: compile every block of each stack")
+        raise ExerciseFailed(_("the block {name} was not compiled: compile every block of each stack").format(name=partly))
     if len(compiled) > len(set(compiled)):
-        raise ExerciseFailed(f"torch.compile was called {len(compiled)} times for {len(set(compiled))} blocks: compile each block once")
+        raise ExerciseFailed(_("torch.compile was called {calls} times for {blocks} blocks: compile each block once").format(
+            calls=len(compiled), blocks=len(set(compiled))))
     if list(model.state_dict()) != keys:
         odd = next((k for k in model.state_dict() if k not in keys), "")
-        raise ExerciseFailed(f"the model's state_dict keys changed (e.g. {odd!r}): compile each block in place, without replacing it in its stack")
+        raise ExerciseFailed(_("the model's state_dict keys changed (e.g. {key!r}): "
+                               "compile each block in place, without replacing it in its stack").format(key=odd))
     if any(objects[name] is not module for name, module in model.named_modules() if name in objects) or len(dict(model.named_modules())) != len(objects):
-        raise ExerciseFailed("the model holds other modules than before: compile the blocks in place")
+        raise ExerciseFailed(_("the model holds other modules than before: compile the blocks in place"))
     if runs != len(blocks):
-        raise ExerciseFailed(f"{runs} compiled graphs ran in one forward pass, expected {len(blocks)}, one per block of the stacks: "
-                             "compile each block, in place, so that the model's own forward runs them")
+        raise ExerciseFailed(_("{runs} compiled graphs ran in one forward pass, expected {expected}, one per block of the stacks: "
+                               "compile each block, in place, so that the model's own forward runs them").format(
+            runs=runs, expected=len(blocks)))
     if len(spy.graphs) > len({type(b) for b in blocks.values()}):
-        raise ExerciseFailed(f"{len(spy.graphs)} graphs were compiled for {len({type(b) for b in blocks.values()})} block classes: "
-                             "blocks of one class should share one graph (compile each block the same way)")
-    expect_tensor(out, reference(x), what="the model's output after compile_repeated_blocks", atol=1e-5)
+        raise ExerciseFailed(_("{graphs} graphs were compiled for {classes} block classes: "
+                               "blocks of one class should share one graph (compile each block the same way)").format(
+            graphs=len(spy.graphs), classes=len({type(b) for b in blocks.values()})))
+    expect_tensor(out, reference(x), what=_("the model's output after compile_repeated_blocks"), atol=1e-5)
     expected = list(stacks)
     if result is None:
-        raise ExerciseFailed(f"compile_repeated_blocks returned None, expected the names of the stacks it compiled, {expected}")
+        raise ExerciseFailed(_("compile_repeated_blocks returned None, expected the names of the stacks it compiled, {expected}").format(
+            expected=expected))
     if not isinstance(result, list) or not all(isinstance(n, str) for n in result):
-        raise ExerciseFailed(f"compile_repeated_blocks returned {a_type(result)}, expected a list of names, {expected}")
+        raise ExerciseFailed(_("compile_repeated_blocks returned {a_type}, expected a list of names, {expected}").format(
+            a_type=a_type(result), expected=expected))
     if result != expected:
-        hint = (": the names of the stacks (the containers), not of their blocks" if set(result) == set(blocks) else
-                ": in the order model.named_modules() visits them" if sorted(result) == sorted(expected) else "")
-        raise ExerciseFailed(f"compile_repeated_blocks returned {result}, expected {expected}{hint}")
+        hint = (_(": the names of the stacks (the containers), not of their blocks") if set(result) == set(blocks) else
+                _(": in the order model.named_modules() visits them") if sorted(result) == sorted(expected) else "")
+        raise ExerciseFailed(_("compile_repeated_blocks returned {got}, expected {expected}{hint}").format(
+            got=result, expected=expected, hint=hint))

@@ -35,6 +35,7 @@ from course_utils.tooling.checks import (
     stub_function,
     where,
 )
+from course_utils.tooling.language import N_, _, ngettext
 
 scoreboard = scoreboard_for(__name__)  # the lesson's last cell: this session's verdicts
 
@@ -167,10 +168,10 @@ def _hook_keys(model: nn.Module) -> set[tuple[int, str, int]]:
 def _leaked_hooks(model: nn.Module, global_before: set[tuple[str, int]], kept: set = frozenset()) -> list[str]:
     """The modules that carry hooks other than the caller's own (`kept`), the model itself as 'the model itself', and any new
     global module hook."""
-    leaked = [name or "the model itself" for name, m in model.named_modules()
+    leaked = [name or _("the model itself") for name, m in model.named_modules()
               if any((id(m), d, key) not in kept for d in HOOK_DICTS for key in getattr(m, d))]
     if _global_hooks() - global_before:
-        leaked.append("all modules (a global hook)")
+        leaked.append(_("all modules (a global hook)"))
     return leaked
 
 
@@ -185,20 +186,26 @@ def _remove_hooks(model: nn.Module, global_before: set[tuple[str, int]], kept: s
         getattr(module_globals, d).pop(key, None)
 
 
-def _expect_no_hooks(model: nn.Module, global_before: set[tuple[str, int]], what: str, after: str = "", kept: set = frozenset()) -> None:
+def _expect_no_hooks(model: nn.Module, global_before: set[tuple[str, int]], what: str, let_through: bool = False,
+                     kept: set = frozenset()) -> None:
+    """`let_through`: the call let the model's ModelError through (then a leaked hook means a missing finally: block)."""
     gone = [key for key in kept if key not in _hook_keys(model)]
     if gone:
-        raise ExerciseFailed(f"{what} removed {len(gone)} hook{'s' if len(gone) > 1 else ''} that the caller had put on the model: "
-                             "remove only the hooks you registered, through their handles")
+        raise ExerciseFailed(ngettext("{what} removed {n} hook that the caller had put on the model: "
+                                      "remove only the hooks you registered, through their handles",
+                                      "{what} removed {n} hooks that the caller had put on the model: "
+                                      "remove only the hooks you registered, through their handles", len(gone)).format(what=what, n=len(gone)))
     leaked = _leaked_hooks(model, global_before, kept)
     if not leaked:
         return
     _remove_hooks(model, global_before, kept)
-    if after:
+    if let_through:
         raise ExerciseFailed(
-            f"{what} {after} and left hooks on {leaked}: remove every handle in a finally: block, which runs when an error passes through"
+            _("{what} let the model's ModelError through and left hooks on {leaked}: remove every handle in a finally: block, "
+              "which runs when an error passes through").format(what=what, leaked=leaked)
         )
-    raise ExerciseFailed(f"{what} left hooks on {leaked}: they run on every later call; keep each handle that register_* returns and call handle.remove()")
+    raise ExerciseFailed(_("{what} left hooks on {leaked}: they run on every later call; keep each handle that register_* returns "
+                           "and call handle.remove()").format(what=what, leaked=leaked))
 
 
 def _callers_hook(model: nn.Module, seen: list[int] | None = None) -> set[tuple[int, str, int]]:
@@ -230,10 +237,12 @@ def _expect_model_error(fn: Callable, args: tuple, what: str, model: nn.Module, 
         chain = chain.__cause__ or chain.__context__
     if raised is not None and chain is None:
         _remove_hooks(model, global_before)
-        raise ExerciseFailed(f"{what} raised {type(raised).__name__}: {first_line(raised)}, expected the model's own ModelError to reach the caller")
-    _expect_no_hooks(model, global_before, what, after="let the model's ModelError through" if raised else "")
+        raise ExerciseFailed(_("{what} raised {error}: {message}, expected the model's own ModelError to reach the caller").format(
+            what=what, error=type(raised).__name__, message=first_line(raised)))
+    _expect_no_hooks(model, global_before, what, let_through=bool(raised))
     if raised is None:
-        raise ExerciseFailed(f"{what} returned although the model's forward pass raised ModelError: let the error reach the caller (try/finally, no except)")
+        raise ExerciseFailed(_("{what} returned although the model's forward pass raised ModelError: let the error reach the caller "
+                               "(try/finally, no except)").format(what=what))
 
 
 def _model_state(model: nn.Module) -> dict[str, dict]:
@@ -253,44 +262,60 @@ def _expect_model_unchanged(model: nn.Module, before: dict[str, dict], what: str
     modules, params, buffers = dict(model.named_modules()), dict(model.named_parameters()), dict(model.named_buffers())
     for name, was_training in before["mode"].items():
         if name in modules and modules[name].training != was_training:
-            whose = "the model" if name == "" else repr(name)
-            now, was = ("training", "eval") if modules[name].training else ("eval", "training")
-            raise ExerciseFailed(f"{what} left {whose} in {now} mode; it was in {was} mode")
+            if name == "":
+                message = (_("{what} left the model in training mode; it was in eval mode") if modules[name].training
+                           else _("{what} left the model in eval mode; it was in training mode"))
+            else:
+                message = (_("{what} left {name!r} in training mode; it was in eval mode") if modules[name].training
+                           else _("{what} left {name!r} in eval mode; it was in training mode"))
+            raise ExerciseFailed(message.format(what=what, name=name))
     for name, flag in before["requires_grad"].items():
         if name in params and params[name].requires_grad != flag:
-            state = "frozen (requires_grad=False)" if not flag else "trainable"
-            raise ExerciseFailed(f"{what} switched requires_grad {'on' if not flag else 'off'} for {name}, which was {state}: "
-                                 "leave the caller's parameters as they were")
+            if not flag:
+                message = _("{what} switched requires_grad on for {name}, which was frozen (requires_grad=False): "
+                            "leave the caller's parameters as they were")
+            else:
+                message = _("{what} switched requires_grad off for {name}, which was trainable: "
+                            "leave the caller's parameters as they were")
+            raise ExerciseFailed(message.format(what=what, name=name))
     for name, value in before["values"].items():
         if name in params and not torch.equal(params[name].detach(), value):
-            raise ExerciseFailed(f"{what} changed the values of parameter {name}: an optimizer step or an in-place operation on "
-                                 "the caller's model")
+            raise ExerciseFailed(_("{what} changed the values of parameter {name}: an optimizer step or an in-place operation on "
+                                   "the caller's model").format(what=what, name=name))
     for name, grad in before["grads"].items():
         after = params[name].grad if name in params else None
         if (grad is None) != (after is None) or (grad is not None and not torch.equal(grad, after)):
-            state = "None" if grad is None else "a stale gradient"
-            advice = ("a probe leaves .grad as it was (torch.autograd.grad returns the gradients without touching .grad)" if probe
-                      else "leave .grad as it was")
-            raise ExerciseFailed(f"{what} changed {name}.grad, which held {state}: {advice}")
+            advice = (_("a probe leaves .grad as it was (torch.autograd.grad returns the gradients without touching .grad)") if probe
+                      else _("leave .grad as it was"))
+            if grad is None:
+                message = _("{what} changed {name}.grad, which held None: {advice}")
+            else:
+                message = _("{what} changed {name}.grad, which held a stale gradient: {advice}")
+            raise ExerciseFailed(message.format(what=what, name=name, advice=advice))
     for name, value in before["buffers"].items():
         if name in buffers and not torch.equal(buffers[name], value):
-            raise ExerciseFailed(f"{what} changed the buffer {name} of the caller's model")
+            raise ExerciseFailed(_("{what} changed the buffer {name} of the caller's model").format(what=what, name=name))
 
 
 def _expect_tensor_unchanged(before: torch.Tensor, requires_grad: bool, after: torch.Tensor, what: str, name: str) -> None:
     """Fail when the learner's call changed the caller's tensor: its values, or its requires_grad flag."""
     if after.requires_grad != requires_grad:
-        raise ExerciseFailed(f"{what} switched {'on' if after.requires_grad else 'off'} requires_grad on the caller's {name}: "
-                             f"leave the caller's tensor as it was")
+        if after.requires_grad:
+            message = _("{what} switched on requires_grad on the caller's {name}: leave the caller's tensor as it was")
+        else:
+            message = _("{what} switched off requires_grad on the caller's {name}: leave the caller's tensor as it was")
+        raise ExerciseFailed(message.format(what=what, name=name))
     if before.shape != after.shape or not torch.equal(before, after.detach()):
-        raise ExerciseFailed(f"{what} modified the caller's {name} in place: work on a copy, or use out-of-place operations")
+        raise ExerciseFailed(_("{what} modified the caller's {name} in place: work on a copy, or use out-of-place operations").format(
+            what=what, name=name))
 
 
 def _expect_dict(got: Any, what: str, returned_what: str) -> dict:
     if got is None:
-        raise ExerciseFailed(f"{what} returned None: did you forget to `return` the dict?")
+        raise ExerciseFailed(_("{what} returned None: did you forget to `return` the dict?").format(what=what))
     if not isinstance(got, dict):
-        raise ExerciseFailed(f"{what} returned {a_type(got)}, expected a dict {{name: {returned_what}}}")
+        raise ExerciseFailed(_("{what} returned {a_type}, expected a dict {{name: {returned_what}}}").format(
+            what=what, a_type=a_type(got), returned_what=returned_what))
     return got
 
 
@@ -305,7 +330,8 @@ def _backward(loss: torch.Tensor, what: str) -> None:
     except Exception as err:  # noqa: BLE001 -- raised by the learner's hook, reported as theirs
         frame = learner_frame(err, __file__)
         place = where(frame) if frame else ""
-        raise ExerciseFailed(f"backward() through {what} raised {type(err).__name__}: {first_line(err)}{place}") from None
+        raise ExerciseFailed(_("backward() through {what} raised {error}: {message}{place}").format(
+            what=what, error=type(err).__name__, message=first_line(err), place=place)) from None
 
 
 # capture_activations
@@ -333,15 +359,19 @@ class _Counted(nn.Module):
 def _expect_one_run(model: _Counted, what: str, x: torch.Tensor) -> None:
     """The prompt says "run model(x) once": its forward ran exactly once, called as model(x), on x itself."""
     if model.runs == 0:
-        raise ExerciseFailed(f"{what} never ran the model: call model(x) once, with the hooks on")
+        raise ExerciseFailed(_("{what} never ran the model: call model(x) once, with the hooks on").format(what=what))
     if model.runs > 1:
-        raise ExerciseFailed(f"{what} ran the model {model.runs} times; run model(x) once: the hooks see every pass")
+        raise ExerciseFailed(_("{what} ran the model {runs} times; run model(x) once: the hooks see every pass").format(
+            what=what, runs=model.runs))
     if model.calls == 0:
-        raise ExerciseFailed(f"{what} called model.forward(x), which skips the model's own hooks: call model(x)")
+        raise ExerciseFailed(_("{what} called model.forward(x), which skips the model's own hooks: call model(x)").format(what=what))
     given = model.inputs[0]
     if not isinstance(given, torch.Tensor) or given.shape != x.shape or not torch.equal(given.detach(), x):
-        shape = f"of shape {tuple(given.shape)}" if isinstance(given, torch.Tensor) else a_type(given)
-        raise ExerciseFailed(f"{what} ran the model on an input other than x ({shape}, x has shape {tuple(x.shape)}): run model(x)")
+        if isinstance(given, torch.Tensor):
+            raise ExerciseFailed(_("{what} ran the model on an input other than x (of shape {given_shape}, x has shape {x_shape}): "
+                                   "run model(x)").format(what=what, given_shape=tuple(given.shape), x_shape=tuple(x.shape)))
+        raise ExerciseFailed(_("{what} ran the model on an input other than x ({given_type}, x has shape {x_shape}): run model(x)").format(
+            what=what, given_type=a_type(given), x_shape=tuple(x.shape)))
 
 
 class _Probe(_Counted):
@@ -391,32 +421,38 @@ def _expect_names(got: Any, names: list[str], what: str, returned_what: str, hoo
     got = _expect_dict(got, what, returned_what)
     if len(got) == 1 and len(names) > 1 and next(iter(got)) == names[-1]:
         raise ExerciseFailed(
-            f"{what} returned only the key {names[-1]!r}: every hook used the loop variable's last value; "
-            f"bind each name when you define the hook, e.g. def hook({hook_args}, name=name)"
+            _("{what} returned only the key {last!r}: every hook used the loop variable's last value; "
+              "bind each name when you define the hook, e.g. def hook({hook_args}, name=name)").format(
+                what=what, last=names[-1], hook_args=hook_args)
         )
     missing, extra = [n for n in names if n not in got], [k for k in got if k not in names]
     if missing and not extra and all("." in n for n in missing):
-        raise ExerciseFailed(f"{what} has no entry for the nested name{'s' if len(missing) > 1 else ''} {missing}: look each name up "
-                             "in dict(model.named_modules()), which spells nested modules with dots (named_children() lists only the top level)")
+        raise ExerciseFailed(ngettext(
+            "{what} has no entry for the nested name {missing}: look each name up in dict(model.named_modules()), "
+            "which spells nested modules with dots (named_children() lists only the top level)",
+            "{what} has no entry for the nested names {missing}: look each name up in dict(model.named_modules()), "
+            "which spells nested modules with dots (named_children() lists only the top level)", len(missing)).format(
+                what=what, missing=missing))
     if missing == [""] and not extra:
-        raise ExerciseFailed(f"{what} has no entry for '' (the model itself): named_modules() lists the model first, with the name ''; "
-                             "its own forward hook runs only when you call model(x)")
+        raise ExerciseFailed(_("{what} has no entry for '' (the model itself): named_modules() lists the model first, with the name ''; "
+                               "its own forward hook runs only when you call model(x)").format(what=what))
     if model is not None and missing and not extra:
         modules = dict(model.named_modules())
         parents = {n for n in names if n in modules and next(modules[n].children(), None) is not None}
         if set(missing) == parents:
-            shown = ", ".join("'' (the model itself)" if n == "" else repr(n) for n in missing)
-            raise ExerciseFailed(f"{what} has no entry for {shown}: exactly the names of modules that have children are missing; "
-                                 "every name you were given counts, containers and the model itself too")
+            shown = ", ".join(_("'' (the model itself)") if n == "" else repr(n) for n in missing)
+            raise ExerciseFailed(_("{what} has no entry for {shown}: exactly the names of modules that have children are missing; "
+                                   "every name you were given counts, containers and the model itself too").format(what=what, shown=shown))
     if set(got) != set(names):
-        raise ExerciseFailed(f"{what} returned the keys {sorted(got, key=str)}, expected {sorted(names)} (the names you were given)")
+        raise ExerciseFailed(_("{what} returned the keys {got_keys}, expected {names} (the names you were given)").format(
+            what=what, got_keys=sorted(got, key=str), names=sorted(names)))
     return got
 
 
-NESTED_NAME_HINT = {"'block.1'": "a nested name: model._modules and named_children() know only the top level; look names up in "
-                              "dict(model.named_modules())",
-                    "'body.1'": "a nested name: model._modules and named_children() know only the top level; look names up in "
-                                "dict(model.named_modules())"}
+NESTED_NAME_HINT = {"'block.1'": N_("a nested name: model._modules and named_children() know only the top level; look names up in "
+                                    "dict(model.named_modules())"),
+                    "'body.1'": N_("a nested name: model._modules and named_children() know only the top level; look names up in "
+                                   "dict(model.named_modules())")}
 
 
 @exercise("capture_activations")
@@ -429,10 +465,10 @@ def check_capture_activations(fn) -> None:
         model.block[0].requires_grad_(batch != 3)  # a frozen layer in the last case: it stays frozen
         x = torch.randn(batch, 6, generator=g)
         x_before = x.clone()
-        shown = f"model, tensor of shape {tuple(x.shape)}, {names}"
+        shown = _("model, tensor of shape {shape}, {names}").format(shape=tuple(x.shape), names=names)
         what = f"capture_activations({shown})"
         inputs, expected = _inputs_and_outputs(model, x, [n for n in names if n])
-        every = [n for n, _ in model.named_modules() if n]
+        every = [n for n, _module in model.named_modules() if n]
         outputs_of_all = dict(sorted(_inputs_and_outputs(model, x, every)[1].items(), key=lambda item: every.index(item[0])))
         if "" in names:
             with torch.no_grad():
@@ -445,39 +481,49 @@ def check_capture_activations(fn) -> None:
         _expect_one_run(model, what, x)
         _expect_tensor_unchanged(x_before, False, x, what, "x")
         _expect_model_unchanged(model, state, what, probe=False)
-        got = _expect_names(got, names, what, "activation", "module, args, output", model)
+        got = _expect_names(got, names, what, _("activation"), "module, args, output", model)
         for name in names:
             value = got[name]
             if isinstance(value, (tuple, list)) and torch.is_tensor(value[0] if value else None):
+                container = type(value).__name__
                 if len(value) == 1 and _same(value[0].detach(), expected[name]):
-                    raise ExerciseFailed(f"{what}[{name!r}] is a {type(value).__name__} that holds the output: store the output itself, "
-                                         "one tensor per name")
+                    raise ExerciseFailed(_("{what}[{name!r}] is a {container} that holds the output: store the output itself, "
+                                           "one tensor per name").format(what=what, name=name, container=container))
                 if _same(value[0].detach(), inputs[name]):
-                    raise ExerciseFailed(f"{what}[{name!r}] is a {type(value).__name__} that holds the module's input: a forward hook is "
-                                         "called as hook(module, args, output), and args is the tuple of inputs; store output")
-                raise ExerciseFailed(f"{what}[{name!r}] is a {type(value).__name__}, expected a tensor (the sub-module's output)")
+                    raise ExerciseFailed(_("{what}[{name!r}] is a {container} that holds the module's input: a forward hook is "
+                                           "called as hook(module, args, output), and args is the tuple of inputs; store output").format(
+                                               what=what, name=name, container=container))
+                raise ExerciseFailed(_("{what}[{name!r}] is a {container}, expected a tensor (the sub-module's output)").format(
+                    what=what, name=name, container=container))
             if not isinstance(value, torch.Tensor):
-                raise ExerciseFailed(f"{what}[{name!r}] is {a_type(value)}, expected a tensor (the sub-module's output)")
+                raise ExerciseFailed(_("{what}[{name!r}] is {a_type}, expected a tensor (the sub-module's output)").format(
+                    what=what, name=name, a_type=a_type(value)))
             if value.requires_grad:
                 raise ExerciseFailed(
-                    f"{what}[{name!r}] still requires grad, so it keeps the whole graph of the forward pass alive: store output.detach()"
+                    _("{what}[{name!r}] still requires grad, so it keeps the whole graph of the forward pass alive: "
+                      "store output.detach()").format(what=what, name=name)
                 )
             if _same(value, inputs[name]) and not _same(inputs[name], expected[name]):
-                raise ExerciseFailed(f"{what}[{name!r}] is the module's input: a forward hook is called as hook(module, args, output); store output")
+                raise ExerciseFailed(_("{what}[{name!r}] is the module's input: a forward hook is called as hook(module, args, output); "
+                                       "store output").format(what=what, name=name))
             if value.ndim == expected[name].ndim - 1 and expected[name].shape[0] > 1 and _same(value, expected[name][0]):
-                raise ExerciseFailed(f"{what}[{name!r}] is the first sample's output only (output[0]), of shape {tuple(value.shape)}: "
-                                     f"store the whole batch's output, of shape {tuple(expected[name].shape)}")
+                raise ExerciseFailed(_("{what}[{name!r}] is the first sample's output only (output[0]), of shape {shape}: "
+                                       "store the whole batch's output, of shape {expected_shape}").format(
+                                           what=what, name=name, shape=tuple(value.shape), expected_shape=tuple(expected[name].shape)))
             other = next((n for n, out in outputs_of_all.items() if n != name and _same(value, out) and not _same(out, expected[name])), None)
             if other is not None:
-                whose = "the model's" if other == "" else f"{other!r}'s"
-                raise ExerciseFailed(f"{what}[{name!r}] is {whose} output: store each output under its own module's name")
+                if other == "":
+                    message = _("{what}[{name!r}] is the model's output: store each output under its own module's name")
+                else:
+                    message = _("{what}[{name!r}] is {other!r}'s output: store each output under its own module's name")
+                raise ExerciseFailed(message.format(what=what, name=name, other=other))
             expect_tensor(value, expected[name], what=f"{what}[{name!r}]", atol=1e-6)
 
     tripped = _probe(0, trip=True)
     names = ["stem", "block", "head"]  # head never runs: its hook must go although it was never called
     x = torch.randn(4, 6, generator=g)
-    _expect_model_error(fn, (tripped, x, names), f"capture_activations(a model whose forward raises, tensor of shape (4, 6), {names})",
-                        tripped, _global_hooks())
+    shown = _("a model whose forward raises, tensor of shape (4, 6), {names}").format(names=names)
+    _expect_model_error(fn, (tripped, x, names), f"capture_activations({shown})", tripped, _global_hooks())
 
 
 # layer_grad_norms
@@ -533,21 +579,21 @@ def _boundary_grads(model: nn.Module, x, y, loss_fn, names) -> tuple[dict, dict,
 
 # What a learner's number is, when it is one of these instead of the norm of d loss / d output (g: that gradient).
 NORM_MIX_UPS = {
-    "the squared norm (the sum of squares): take its square root, grad.norm()": lambda g: g.pow(2).sum(),
-    "the mean of |grad|, not the L2 norm": lambda g: g.abs().mean(),
-    "the L1 norm (the sum of |grad|), not the L2 norm": lambda g: g.abs().sum(),
-    "the largest |grad| (the max norm), not the L2 norm": lambda g: g.abs().max(),
-    "the mean of the squares, not the L2 norm": lambda g: g.pow(2).mean(),
-    "the root mean square, not the L2 norm (the mean divides by the number of elements)": lambda g: g.pow(2).mean().sqrt(),
-    "half the squared norm, not the L2 norm": lambda g: g.pow(2).sum() / 2,
-    "the mean of the per-sample norms, not the norm of the whole gradient": lambda g: g.flatten(1).norm(dim=1).mean(),
-    "the sum of the per-sample norms, not the norm of the whole gradient": lambda g: g.flatten(1).norm(dim=1).sum(),
-    "the norm divided by the batch size: the L2 norm of the whole gradient is wanted, as it is": lambda g: g.norm() / g.shape[0],
-    "the norm divided by the number of elements: the L2 norm of the whole gradient is wanted, as it is": lambda g: g.norm() / g.numel(),
-    "the norm of the first sample's gradient only, not of the whole batch's": lambda g: g[0].norm(),
-    "the spectral norm (the largest singular value, ord=2 of a matrix), not the L2 norm of all elements":
+    N_("the squared norm (the sum of squares): take its square root, grad.norm()"): lambda g: g.pow(2).sum(),
+    N_("the mean of |grad|, not the L2 norm"): lambda g: g.abs().mean(),
+    N_("the L1 norm (the sum of |grad|), not the L2 norm"): lambda g: g.abs().sum(),
+    N_("the largest |grad| (the max norm), not the L2 norm"): lambda g: g.abs().max(),
+    N_("the mean of the squares, not the L2 norm"): lambda g: g.pow(2).mean(),
+    N_("the root mean square, not the L2 norm (the mean divides by the number of elements)"): lambda g: g.pow(2).mean().sqrt(),
+    N_("half the squared norm, not the L2 norm"): lambda g: g.pow(2).sum() / 2,
+    N_("the mean of the per-sample norms, not the norm of the whole gradient"): lambda g: g.flatten(1).norm(dim=1).mean(),
+    N_("the sum of the per-sample norms, not the norm of the whole gradient"): lambda g: g.flatten(1).norm(dim=1).sum(),
+    N_("the norm divided by the batch size: the L2 norm of the whole gradient is wanted, as it is"): lambda g: g.norm() / g.shape[0],
+    N_("the norm divided by the number of elements: the L2 norm of the whole gradient is wanted, as it is"): lambda g: g.norm() / g.numel(),
+    N_("the norm of the first sample's gradient only, not of the whole batch's"): lambda g: g[0].norm(),
+    N_("the spectral norm (the largest singular value, ord=2 of a matrix), not the L2 norm of all elements"):
         lambda g: torch.linalg.matrix_norm(g.flatten(1), ord=2),
-    "the norm of the gradient averaged over the batch, not of the whole gradient": lambda g: g.mean(0).norm(),
+    N_("the norm of the gradient averaged over the batch, not of the whole gradient"): lambda g: g.mean(0).norm(),
 }
 
 
@@ -579,14 +625,14 @@ def _hook_kinds(model: nn.Module, names: list[str]) -> tuple[dict[str, set], set
 @exercise("layer_grad_norms")
 def check_layer_grad_norms(fn) -> None:
     hints = {
-        "'NoneType' object has no attribute": "something your code used is None; grad_input holds None for an input that needs "
-                                              "no gradient, such as the data going into the first layer",
-        "One of the differentiated Tensors does not require grad": "some parameters are frozen (requires_grad=False): "
-                                                                  "differentiate only those that require grad",
-        "element 0 of tensors does not require grad": "the loss has no graph: the forward pass ran with gradients off "
-                                                      "(torch.no_grad(), inference_mode) or its output was detached",
-        "has no len()": "a full backward hook's return value replaces grad_input, so it must be None or a tuple; your hook "
-                        "returned something else (dict.setdefault returns the value)",
+        "'NoneType' object has no attribute": N_("something your code used is None; grad_input holds None for an input that needs "
+                                                 "no gradient, such as the data going into the first layer"),
+        "One of the differentiated Tensors does not require grad": N_("some parameters are frozen (requires_grad=False): "
+                                                                     "differentiate only those that require grad"),
+        "element 0 of tensors does not require grad": N_("the loss has no graph: the forward pass ran with gradients off "
+                                                         "(torch.no_grad(), inference_mode) or its output was detached"),
+        "has no len()": N_("a full backward hook's return value replaces grad_input, so it must be None or a tuple; your hook "
+                           "returned something else (dict.setdefault returns the value)"),
         **NESTED_NAME_HINT,
     }
     g = torch.Generator().manual_seed(11)
@@ -604,7 +650,8 @@ def check_layer_grad_norms(fn) -> None:
                   ["body.0", "body.2", "head"], "F.mse_loss"))
 
     for model, x, y, loss_fn, names, loss_name in cases:
-        shown = f"model, inputs of shape {tuple(x.shape)}, targets of shape {tuple(y.shape)}, {loss_name}, {names}"
+        shown = _("model, inputs of shape {x_shape}, targets of shape {y_shape}, {loss_fn}, {names}").format(
+            x_shape=tuple(x.shape), y_shape=tuple(y.shape), loss_fn=loss_name, names=names)
         what = f"layer_grad_norms({shown})"
         out_grads, grad_inputs, weight_norms = _boundary_grads(model, x, y, loss_fn, names)
         expected = {n: grad.norm().item() for n, grad in out_grads.items()}
@@ -617,9 +664,9 @@ def check_layer_grad_norms(fn) -> None:
                 warnings.simplefilter("ignore")  # the first layer's input needs no gradient: its full backward hook warns
                 frozen = any(not p.requires_grad for p in model.parameters())
                 got = call(fn, model, x, y, loss_fn, list(names), shown=shown, hints={**hints, **({} if frozen else {
-                    "One of the differentiated Tensors does not require grad": "a tensor you differentiated with respect to does not "
+                    "One of the differentiated Tensors does not require grad": N_("a tensor you differentiated with respect to does not "
                     "require grad: no parameter of this model is frozen, and the data x needs no gradient; differentiate with respect "
-                    "to the trainable parameters"})})
+                    "to the trainable parameters")})})
         finally:
             for handle in watchers:
                 handle.remove()
@@ -627,8 +674,8 @@ def check_layer_grad_norms(fn) -> None:
         _expect_one_run(model, what, x)
         if any("old" in k for k in kinds.values()):
             raise ExerciseFailed(
-                f"{what} used register_backward_hook, which is deprecated and misses gradients of modules made of several operations: "
-                "use register_full_backward_hook"
+                _("{what} used register_backward_hook, which is deprecated and misses gradients of modules made of several operations: "
+                  "use register_full_backward_hook").format(what=what)
             )
         unhooked = [n for n in names if not kinds[n]]
         _expect_tensor_unchanged(x_before, False, x, what, "x")
@@ -636,27 +683,36 @@ def check_layer_grad_norms(fn) -> None:
         _expect_model_unchanged(model, state, what)
         if unhooked and all("." in n for n in unhooked) and len(unhooked) < len(names) and isinstance(got, dict) and \
                 not any(n in got for n in unhooked):
-            raise ExerciseFailed(f"{what} put no hook on the nested name{'s' if len(unhooked) > 1 else ''} {unhooked}: look each name up "
-                                 "in dict(model.named_modules()), which spells nested modules with dots (named_children() lists only the top level)")
+            raise ExerciseFailed(ngettext(
+                "{what} put no hook on the nested name {unhooked}: look each name up in dict(model.named_modules()), "
+                "which spells nested modules with dots (named_children() lists only the top level)",
+                "{what} put no hook on the nested names {unhooked}: look each name up in dict(model.named_modules()), "
+                "which spells nested modules with dots (named_children() lists only the top level)", len(unhooked)).format(
+                    what=what, unhooked=unhooked))
         if unhooked:
-            raise ExerciseFailed(f"{what} ran the forward pass with no full backward hook on {unhooked}: the prompt asks for "
-                                 "module.register_full_backward_hook, registered before the forward pass")
+            raise ExerciseFailed(_("{what} ran the forward pass with no full backward hook on {unhooked}: the prompt asks for "
+                                   "module.register_full_backward_hook, registered before the forward pass").format(what=what, unhooked=unhooked))
         if isinstance(got, dict) and not any(n in got for n in names) and not reached:
-            raise ExerciseFailed(f"{what} returned {'an empty dict' if not got else f'the keys {sorted(got, key=str)[:6]}'}: no gradient "
-                                 "reached the layers' outputs during the call, so no backward hook ran; run the loss backwards through "
-                                 "the layers (with respect to tensors before them, such as the trainable parameters)")
-        got = _expect_names(got, names, what, "gradient norm", "module, grad_input, grad_output", model)
+            if not got:
+                message = _("{what} returned an empty dict: no gradient reached the layers' outputs during the call, so no backward "
+                            "hook ran; run the loss backwards through the layers (with respect to tensors before them, such as the "
+                            "trainable parameters)")
+            else:
+                message = _("{what} returned the keys {keys}: no gradient reached the layers' outputs during the call, so no backward "
+                            "hook ran; run the loss backwards through the layers (with respect to tensors before them, such as the "
+                            "trainable parameters)")
+            raise ExerciseFailed(message.format(what=what, keys=sorted(got, key=str)[:6]))
+        got = _expect_names(got, names, what, _("gradient norm"), "module, grad_input, grad_output", model)
         weight_values = {n: m.weight.detach().norm().item() for n, m in model.named_modules()
                          if n in names and isinstance(getattr(m, "weight", None), torch.Tensor)}
         _expect_norms(got, names, expected, out_grads, grad_inputs, weight_norms, weight_values, what,
-                      {y.numel(): "the number of target elements", len(x): "the batch size"})  # the batch size wins a tie
+                      {y.numel(): _("the number of target elements"), len(x): _("the batch size")})  # the batch size wins a tie
 
     tripped = _tower(5, trip=True)
     names = ["stem", "body"]
     x, y = torch.randn(3, 7, generator=g), torch.randint(0, 4, (3,), generator=g)
-    _expect_model_error(fn, (tripped, x, y, F.cross_entropy, names),
-                        f"layer_grad_norms(a model whose forward raises, inputs of shape (3, 7), targets of shape (3,), F.cross_entropy, {names})",
-                        tripped, _global_hooks())
+    shown = _("a model whose forward raises, inputs of shape (3, 7), targets of shape (3,), F.cross_entropy, {names}").format(names=names)
+    _expect_model_error(fn, (tripped, x, y, F.cross_entropy, names), f"layer_grad_norms({shown})", tripped, _global_hooks())
 
 
 def _close(a: float, b: float) -> bool:
@@ -677,45 +733,50 @@ def _expect_norms(got: dict, names: list[str], expected: dict, out_grads: dict, 
                                                           for n in names) and all(
             stand_in(got[n]) if grad_inputs[n] is None else (n in numbers and _close(numbers[n], grad_inputs[n])) for n in names):
         first = next(n for n in names if grad_inputs[n] is None)
-        raise ExerciseFailed(f"{what}[{first!r}] is {got[first]!r}, and the other values are the norms at the layers' inputs: you read "
-                             "grad_input, which holds None for an input that needs no gradient (the data); the gradient at the output is "
-                             "grad_output[0]")
+        raise ExerciseFailed(_("{what}[{name!r}] is {value!r}, and the other values are the norms at the layers' inputs: you read "
+                               "grad_input, which holds None for an input that needs no gradient (the data); the gradient at the output is "
+                               "grad_output[0]").format(what=what, name=first, value=got[first]))
     for name in names:
         value = got[name]
         if isinstance(value, torch.Tensor):
-            raise ExerciseFailed(f"{what}[{name!r}] is a tensor, expected a Python float: call .item() on the norm")
+            raise ExerciseFailed(_("{what}[{name!r}] is a tensor, expected a Python float: call .item() on the norm").format(what=what, name=name))
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ExerciseFailed(f"{what}[{name!r}] is {a_type(value)}, expected a Python float")
+            raise ExerciseFailed(_("{what}[{name!r}] is {a_type}, expected a Python float").format(what=what, name=name, a_type=a_type(value)))
     ratios = [got[n] / expected[n] for n in names if expected[n] > 0]
     if ratios and all(math.isclose(r, ratios[0], rel_tol=1e-4) for r in ratios):
         scale = next(((count, label) for count, label in counts.items() if count > 1 and math.isclose(ratios[0], count, rel_tol=1e-4)), None)
         if scale:
-            raise ExerciseFailed(f"{what}: every norm is {scale[0]} times the expected one ({scale[1]}), e.g. [{names[0]!r}] is "
-                                 f"{got[names[0]]:.6g}, expected {expected[names[0]]:.6g}: the loss was summed where loss_fn averages "
-                                 "(reduction='sum', or the mean multiplied by a count); use loss_fn(model(x), y) as it is")
+            raise ExerciseFailed(_("{what}: every norm is {factor} times the expected one ({count_name}), e.g. [{name!r}] is "
+                                   "{value:.6g}, expected {want:.6g}: the loss was summed where loss_fn averages "
+                                   "(reduction='sum', or the mean multiplied by a count); use loss_fn(model(x), y) as it is").format(
+                                       what=what, factor=scale[0], count_name=scale[1], name=names[0], value=got[names[0]],
+                                       want=expected[names[0]]))
     for name in names:
         value, want = got[name], expected[name]
         if _close(value, want):
             continue
         if grad_inputs[name] is not None and _close(value, grad_inputs[name]):
             raise ExerciseFailed(
-                f"{what}[{name!r}] is {value:.6g}, the norm of the gradient at the layer's input (grad_input); "
-                f"expected {want:.6g}, at its output (grad_output)"
+                _("{what}[{name!r}] is {value:.6g}, the norm of the gradient at the layer's input (grad_input); "
+                  "expected {want:.6g}, at its output (grad_output)").format(what=what, name=name, value=value, want=want)
             )
         if name in weight_values and _close(value, weight_values[name]):
-            raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, the norm of the layer's weight itself; expected {want:.6g}, "
-                                 "the norm of d loss / d the layer's output")
+            raise ExerciseFailed(_("{what}[{name!r}] is {value:.6g}, the norm of the layer's weight itself; expected {want:.6g}, "
+                                   "the norm of d loss / d the layer's output").format(what=what, name=name, value=value, want=want))
         if name in weight_norms and _close(value, weight_norms[name]):
-            raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, the norm of the gradient of the layer's weight; expected {want:.6g}, "
-                                 "the norm of d loss / d the layer's output (grad_output)")
+            raise ExerciseFailed(_("{what}[{name!r}] is {value:.6g}, the norm of the gradient of the layer's weight; expected {want:.6g}, "
+                                   "the norm of d loss / d the layer's output (grad_output)").format(what=what, name=name, value=value, want=want))
         other = next((n for n in names if n != name and _close(value, expected[n])), None)
         if other is not None:
-            raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, the norm at {other!r}'s output; expected {want:.6g}: record each norm "
-                                 "under its own layer's name (the backward hooks run in the reverse order of the layers)")
-        mix_up = next((text for text, of in NORM_MIX_UPS.items() if _close(value, of(out_grads[name]).item())), None)
+            raise ExerciseFailed(_("{what}[{name!r}] is {value:.6g}, the norm at {other!r}'s output; expected {want:.6g}: record each norm "
+                                   "under its own layer's name (the backward hooks run in the reverse order of the layers)").format(
+                                       what=what, name=name, value=value, other=other, want=want))
+        mix_up = next((_(text) for text, of in NORM_MIX_UPS.items() if _close(value, of(out_grads[name]).item())), None)
         if mix_up:
-            raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, {mix_up}; expected {want:.6g}")
-        raise ExerciseFailed(f"{what}[{name!r}] is {value:.6g}, expected {want:.6g} (the L2 norm of d loss / d the layer's output)")
+            raise ExerciseFailed(_("{what}[{name!r}] is {value:.6g}, {mix_up}; expected {want:.6g}").format(
+                what=what, name=name, value=value, mix_up=mix_up, want=want))
+        raise ExerciseFailed(_("{what}[{name!r}] is {value:.6g}, expected {want:.6g} (the L2 norm of d loss / d the layer's output)").format(
+            what=what, name=name, value=value, want=want))
 
 
 # add_gradient_reversal
@@ -757,7 +818,7 @@ class _Adversarial:
     def __init__(self, seed: int):
         g = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)
-        self.data = [torch.randn(4, 5, generator=g) for _ in range(2)]
+        self.data = [torch.randn(4, 5, generator=g) for _step in range(2)]
         self.w = torch.randn(5, 6, generator=g).requires_grad_()
         self.label = nn.Linear(6, 3)
         self.domain = _Domain(4, 6)
@@ -832,43 +893,48 @@ def _reversal_fault(world: _Adversarial, got: dict, lams: tuple[float, float], r
     expected = world.simulate((-lams[0], -lams[1]))
     others = [n for n in expected if n != "domain.offset"]
     if _same_grads({n: got[n] for n in others}, {n: expected[n] for n in others}):
-        return ("the module's offset, which its first operation adds to the input, learned from the reversed gradient too: your hook "
-                "modified the gradient tensor it received in place, and autograd hands that tensor to the offset as well; "
-                "return a new one (-lam * grad)")
+        return _("the module's offset, which its first operation adds to the input, learned from the reversed gradient too: your hook "
+                 "modified the gradient tensor it received in place, and autograd hands that tensor to the offset as well; "
+                 "return a new one (-lam * grad)")
     places = [
         ("branch", ""),
-        ("input", "the features' other use (the label head) got the reversed gradient too: a hook on the input tensor itself sees its "
-         "gradient summed over every use; hook a tensor of the module's own branch instead (x.view_as(x))"),
-        ("output", "the module's own parameters learned from the reversed gradient: reverse the gradient at the module's input "
-         "(a forward pre-hook), not at its output"),
+        ("input", _("the features' other use (the label head) got the reversed gradient too: a hook on the input tensor itself sees its "
+                    "gradient summed over every use; hook a tensor of the module's own branch instead (x.view_as(x))")),
+        ("output", _("the module's own parameters learned from the reversed gradient: reverse the gradient at the module's input "
+                     "(a forward pre-hook), not at its output")),
     ]
     factors = [  # the right factors first: then only the place is wrong
         ((-lams[0], -lams[1]), ""),
-        ((1.0, 1.0), "the gradient through the module came back unchanged: nothing was reversed"),
-        ((lams[0], lams[1]), "the gradient was multiplied by +strength(), not -strength()"),
-        ((-1.0, -1.0), "the gradient was multiplied by -1 whatever strength() returned"),
-        ((-registered, -registered), f"both steps used the strength at the time add_gradient_reversal was called ({registered}): "
-         "call strength() at each forward call"),
-        ((-late, -late), f"both steps used the strength at the time backward ran ({late}), not the one of the forward call that built "
-         "the graph: read strength() in the forward pass, and keep that value for its hook"),
-        ((-lams[1], -lams[1]), f"both steps used the strength of the last forward call ({lams[1]}): give each forward call's hook its "
-         "own strength"),
-        ((-lams[0] ** 2, -lams[1] ** 2), "the gradient was multiplied by -strength() squared: the reversal was applied twice"),
-        ((-lams[0], -lams[0]), f"both steps used the strength of the first forward call ({lams[0]}): read strength() at every forward call"),
-        ((-1 / lams[0], -1 / lams[1]), "the gradient was divided by strength(), not multiplied by it"),
-        ((0.0, 0.0), "the gradient from the module back into its input was zero: reverse it, do not stop it"),
-        ((-lams[0], 1.0), "only the first forward call's gradient was reversed: reverse it at every call"),
-        ((1 - lams[0], 1 - lams[1]), "the gradient was multiplied by 1 - strength(), not -strength()"),
+        ((1.0, 1.0), _("the gradient through the module came back unchanged: nothing was reversed")),
+        ((lams[0], lams[1]), _("the gradient was multiplied by +strength(), not -strength()")),
+        ((-1.0, -1.0), _("the gradient was multiplied by -1 whatever strength() returned")),
+        ((-registered, -registered), _("both steps used the strength at the time add_gradient_reversal was called ({strength}): "
+                                       "call strength() at each forward call").format(strength=registered)),
+        ((-late, -late), _("both steps used the strength at the time backward ran ({strength}), not the one of the forward call that "
+                           "built the graph: read strength() in the forward pass, and keep that value for its hook").format(strength=late)),
+        ((-lams[1], -lams[1]), _("both steps used the strength of the last forward call ({strength}): give each forward call's hook its "
+                                 "own strength").format(strength=lams[1])),
+        ((-lams[0] ** 2, -lams[1] ** 2), _("the gradient was multiplied by -strength() squared: the reversal was applied twice")),
+        ((-lams[0], -lams[0]), _("both steps used the strength of the first forward call ({strength}): read strength() at every "
+                                 "forward call").format(strength=lams[0])),
+        ((-1 / lams[0], -1 / lams[1]), _("the gradient was divided by strength(), not multiplied by it")),
+        ((0.0, 0.0), _("the gradient from the module back into its input was zero: reverse it, do not stop it")),
+        ((-lams[0], 1.0), _("only the first forward call's gradient was reversed: reverse it at every call")),
+        ((1 - lams[0], 1 - lams[1]), _("the gradient was multiplied by 1 - strength(), not -strength()")),
     ]
     for scale, factor_fault in factors:
         for place, place_fault in places:
             if (place_fault or factor_fault) and not (place_fault and scale == (1.0, 1.0)) and \
                     _same_grads(got, world.simulate(scale, place)):
-                return "; and ".join(fault for fault in (place_fault, factor_fault) if fault)
+                if place_fault and factor_fault:
+                    return _("{place_fault}; and {factor_fault}").format(place_fault=place_fault, factor_fault=factor_fault)
+                return place_fault or factor_fault
     fitted = _fitted_factors(world, got)
     if fitted is not None:
-        return (f"the gradient through the module was multiplied by {fitted[0]:.4g} in the step with strength() = {lams[0]} and by "
-                f"{fitted[1]:.4g} in the step with {lams[1]}; expected {-lams[0]:.4g} and {-lams[1]:.4g} (-strength())")
+        return _("the gradient through the module was multiplied by {first:.4g} in the step with strength() = {first_strength} and by "
+                 "{second:.4g} in the step with {second_strength}; expected {first_expected:.4g} and {second_expected:.4g} "
+                 "(-strength())").format(first=fitted[0], first_strength=lams[0], second=fitted[1], second_strength=lams[1],
+                                         first_expected=-lams[0], second_expected=-lams[1])
     return ""
 
 
@@ -888,28 +954,30 @@ def _fitted_factors(world: _Adversarial, got: dict) -> tuple[float, float] | Non
 @exercise("add_gradient_reversal")
 def check_add_gradient_reversal(fn) -> None:
     hints = {
-        "cannot register a hook on a tensor that doesn't require gradient": "under torch.no_grad(), or for an input that needs no "
-        "gradient, there is nothing to reverse: leave such an input alone",
+        "cannot register a hook on a tensor that doesn't require gradient": N_("under torch.no_grad(), or for an input that needs no "
+        "gradient, there is nothing to reverse: leave such an input alone"),
     }
     world = _Adversarial(41)
     domain = world.domain
     schedule = {"lam": 0.05}
-    what = "add_gradient_reversal(domain classifier, strength)"
+    shown = _("domain classifier, strength")
+    what = f"add_gradient_reversal({shown})"
     before = _model_state(domain)
-    handle = call(fn, domain, lambda: schedule["lam"], shown="domain classifier, strength")
+    handle = call(fn, domain, lambda: schedule["lam"], shown=shown)
     try:
         _expect_model_unchanged(domain, before, what)
         if handle is None:
-            raise ExerciseFailed(f"{what} returned None: return the handle that register_forward_pre_hook(...) gives you, "
-                                 "so that the caller can remove the hook")
+            raise ExerciseFailed(_("{what} returned None: return the handle that register_forward_pre_hook(...) gives you, "
+                                   "so that the caller can remove the hook").format(what=what))
         if not isinstance(handle, RemovableHandle):
-            raise ExerciseFailed(f"{what} returned {a_type(handle)}: return the handle that module.register_forward_pre_hook(...) gives you")
+            raise ExerciseFailed(_("{what} returned {a_type}: return the handle that module.register_forward_pre_hook(...) gives you").format(
+                what=what, a_type=a_type(handle)))
         _judge_reversal(world, schedule, hints)
         handle.remove()
         if _leaked_hooks(domain, _global_hooks()):
-            raise ExerciseFailed("after handle.remove(), hooks are still on the module: register one hook and return its handle")
+            raise ExerciseFailed(_("after handle.remove(), hooks are still on the module: register one hook and return its handle"))
         if not _same_grads(world.run((0.3, 0.8)), world.simulate((1.0, 1.0))):
-            raise ExerciseFailed("after handle.remove(), the gradient is still changed: return the handle of the hook that reverses it")
+            raise ExerciseFailed(_("after handle.remove(), the gradient is still changed: return the handle of the hook that reverses it"))
     finally:
         _remove_hooks(domain, set())
 
@@ -923,14 +991,14 @@ def _reversed_steps(world: _Adversarial, schedule: dict, hints: dict, lams: tupl
         domain.rebuild()
         h = data @ world.w
         h_before = h.detach().clone()
-        shown = f"features of step {step}, strength() = {lam}"
+        shown = _("features of step {step}, strength() = {strength}").format(step=step, strength=lam)
         out = call(domain, h, name="domain", shown=shown, hints=hints, kind="module")
-        _expect_tensor_unchanged(h_before, True, h, f"domain({shown})", "features")
-        expect_tensor(out, world.plain_output(h), what=f"the domain classifier's output with the reversal on (the forward pass must "
-                      "not change)", atol=1e-6)
+        _expect_tensor_unchanged(h_before, True, h, f"domain({shown})", _("features"))
+        expect_tensor(out, world.plain_output(h), what=_("the domain classifier's output with the reversal on (the forward pass must "
+                                                          "not change)"), atol=1e-6)
         total = total + world.loss(h, out)
     schedule["lam"] = late
-    _backward(total, "the domain classifier with the reversal on")
+    _backward(total, _("the domain classifier with the reversal on"))
     return world.grads()
 
 
@@ -942,35 +1010,42 @@ def _judge_reversal(world: _Adversarial, schedule: dict, hints: dict) -> None:
     if not _same_grads(got, world.simulate((-lams[0], -lams[1]))):
         fault = _reversal_fault(world, got, lams, registered=0.05, late=late)
         if fault:
-            raise ExerciseFailed(f"after two steps with strength() = {lams[0]}, then {lams[1]}: {fault}")
+            raise ExerciseFailed(_("after two steps with strength() = {first}, then {second}: {fault}").format(
+                first=lams[0], second=lams[1], fault=fault))
         expected = world.simulate((-lams[0], -lams[1]))
         wrong = next(n for n in got if not _same_grads({n: got[n]}, {n: expected[n]}))
         if got[wrong] is None:
-            raise ExerciseFailed(f"after two steps with the reversal on, {wrong}.grad is None: the gradient no longer reaches it")
-        expect_tensor(got[wrong], expected[wrong], what=f"the gradient of {wrong} after two steps with strength() = {lams[0]}, "
-                      f"then {lams[1]}", rtol=1e-4, atol=1e-7)
+            raise ExerciseFailed(_("after two steps with the reversal on, {name}.grad is None: the gradient no longer reaches it").format(
+                name=wrong))
+        expect_tensor(got[wrong], expected[wrong], what=_("the gradient of {name} after two steps with strength() = {first}, "
+                                                          "then {second}").format(name=wrong, first=lams[0], second=lams[1]),
+                      rtol=1e-4, atol=1e-7)
     start = (0.0, 0.5)  # -0 * grad is 0: at the schedule's start no gradient flows back from the module
     got = _reversed_steps(world, schedule, hints, start, late)
     expected = world.simulate((-start[0], -start[1]))
     if not _same_grads(got, expected):
         if _same_grads(got, world.simulate((1.0, -start[1]))):
-            raise ExerciseFailed(f"after two steps with strength() = {start[0]}, then {start[1]}: at strength() = 0 the gradient came back "
-                                 "unchanged; multiply it by -strength() at every strength, 0 included (then no gradient flows back from "
-                                 "the module)")
+            raise ExerciseFailed(_("after two steps with strength() = {first}, then {second}: at strength() = 0 the gradient came back "
+                                   "unchanged; multiply it by -strength() at every strength, 0 included (then no gradient flows back from "
+                                   "the module)").format(first=start[0], second=start[1]))
         wrong = next(n for n in got if not _same_grads({n: got[n]}, {n: expected[n]}))
         if got[wrong] is None:
-            raise ExerciseFailed(f"after two steps with strength() = {start[0]}, then {start[1]}, {wrong}.grad is None: the gradient no "
-                                 "longer reaches it")
-        expect_tensor(got[wrong], expected[wrong], what=f"the gradient of {wrong} after two steps with strength() = {start[0]}, "
-                      f"then {start[1]}", rtol=1e-4, atol=1e-7)
-    for label, grad_mode, h in (("under torch.no_grad()", False, world.data[0] @ world.w),
-                                ("on features that need no gradient", True, world.data[1] @ world.w.detach())):
+            raise ExerciseFailed(_("after two steps with strength() = {first}, then {second}, {name}.grad is None: the gradient no "
+                                   "longer reaches it").format(first=start[0], second=start[1], name=wrong))
+        expect_tensor(got[wrong], expected[wrong], what=_("the gradient of {name} after two steps with strength() = {first}, "
+                                                          "then {second}").format(name=wrong, first=start[0], second=start[1]),
+                      rtol=1e-4, atol=1e-7)
+    for shown, output_what, grad_mode, h in (
+            (_("features, under torch.no_grad()"), _("the domain classifier's output under torch.no_grad()"),
+             False, world.data[0] @ world.w),
+            (_("features, on features that need no gradient"), _("the domain classifier's output on features that need no gradient"),
+             True, world.data[1] @ world.w.detach())):
         domain.rebuild()
         h_before, needs_grad = h.detach().clone(), h.requires_grad
         with torch.set_grad_enabled(grad_mode):
-            out = call(domain, h, name="domain", shown=f"features, {label}", hints=hints, kind="module")
-        _expect_tensor_unchanged(h_before, needs_grad, h, f"domain(features, {label})", "features")
-        expect_tensor(out, world.plain_output(h), what=f"the domain classifier's output {label}", atol=1e-6)
+            out = call(domain, h, name="domain", shown=shown, hints=hints, kind="module")
+        _expect_tensor_unchanged(h_before, needs_grad, h, f"domain({shown})", _("features"))
+        expect_tensor(out, world.plain_output(h), what=output_what, atol=1e-6)
 
 
 # first_nonfinite
@@ -1019,8 +1094,8 @@ class _Recurrent(_Counted):
 
     def forward(self, x):
         self.runs += 1
-        out, _ = self.lstm(x)
-        h, (squashed, _) = self.split(out[:, -1] * 10)
+        out, _state = self.lstm(x)
+        h, (squashed, _huge) = self.split(out[:, -1] * 10)
         return self.head(h + squashed)
 
 
@@ -1100,15 +1175,15 @@ def _nonfinite_cases() -> list[tuple[str, Callable[[], nn.Module], torch.Tensor]
     bad_batch = small.clone()
     bad_batch[1, 2] = math.inf
     return [
-        ("a model with finite outputs everywhere", build(_Ordered, 5), small),
-        ("a model whose exp overflows", build(_Ordered, 5, stale=True), large),
-        ("a model given a batch that holds an inf", build(_Ordered, 5), bad_batch),
-        ("a model that calls one layer twice", build(_Reused, 10), torch.randn(4, 3, generator=torch.Generator().manual_seed(25))),
-        ("an LSTM model", build(_Recurrent, 6), sequence * 0.01),
-        ("an LSTM model", build(_Recurrent, 6), sequence * 40),
-        ("a model that takes a softmax by hand", build(_Softmax, 7), torch.randn(3, 3, generator=g) * 400),
-        ("a model whose block takes a log", build(_Nested, 8), torch.randn(3, 3, generator=g)),
-        ("a model that takes the log of a ReLU", build(_LogModel, 9), torch.randn(5, 4, generator=g)),
+        (_("a model with finite outputs everywhere"), build(_Ordered, 5), small),
+        (_("a model whose exp overflows"), build(_Ordered, 5, stale=True), large),
+        (_("a model given a batch that holds an inf"), build(_Ordered, 5), bad_batch),
+        (_("a model that calls one layer twice"), build(_Reused, 10), torch.randn(4, 3, generator=torch.Generator().manual_seed(25))),
+        (_("an LSTM model"), build(_Recurrent, 6), sequence * 0.01),
+        (_("an LSTM model"), build(_Recurrent, 6), sequence * 40),
+        (_("a model that takes a softmax by hand"), build(_Softmax, 7), torch.randn(3, 3, generator=g) * 400),
+        (_("a model whose block takes a log"), build(_Nested, 8), torch.randn(3, 3, generator=g)),
+        (_("a model that takes the log of a ReLU"), build(_LogModel, 9), torch.randn(5, 4, generator=g)),
     ]
 
 
@@ -1180,7 +1255,7 @@ class _TupleProbe(nn.Module):
         self.split = _SplitEmit()
 
     def forward(self, x):
-        h, (t, _) = self.split(self.lin(x))
+        h, (t, _partial) = self.split(self.lin(x))
         return h + t
 
 
@@ -1222,31 +1297,31 @@ def _probes() -> dict[str, tuple[nn.Module, str]]:
 NONFINITE_RULES = [
     (lambda a, ok: ok("partial NaN") and all(a[k] is None for k in ("partial inf", "partial -inf", "inf everywhere",
                                                                    "a layer with parameters")),
-     "it tests for NaN only and misses inf: test with torch.isfinite, which catches NaN, inf and -inf"),
+     N_("it tests for NaN only and misses inf: test with torch.isfinite, which catches NaN, inf and -inf")),
     (lambda a, ok: a["large finite values"] == "1" and ok("partial inf") and ok("partial NaN"),
-     "it flags an output whose elements are all finite but whose sum overflows to inf: test the elements, t.isfinite().all(), "
-     "not their sum"),
+     N_("it flags an output whose elements are all finite but whose sum overflows to inf: test the elements, t.isfinite().all(), "
+        "not their sum")),
     (lambda a, ok: a["partial -inf"] is None and ok("partial inf") and ok("partial NaN"),
-     "it misses -inf: test with torch.isfinite, which catches NaN, inf and -inf"),
+     N_("it misses -inf: test with torch.isfinite, which catches NaN, inf and -inf")),
     (lambda a, ok: a["partial NaN"] is None and ok("partial inf") and ok("partial -inf"),
-     "it misses NaN: test with torch.isfinite, which catches NaN, inf and -inf"),
+     N_("it misses NaN: test with torch.isfinite, which catches NaN, inf and -inf")),
     (lambda a, ok: a["partial inf"] is None and a["partial NaN"] == "2" and ok("inf everywhere"),
-     "it flags an output only when every element is non-finite: flag it when any element is (not t.isfinite().all())"),
+     N_("it flags an output only when every element is non-finite: flag it when any element is (not t.isfinite().all())")),
     (lambda a, ok: all(a[k] == "2" for k in ("partial inf", "partial NaN", "inf everywhere", "partial inf, two layers before the end")),
-     "it names the module after the culprit, whose input holds the non-finite value: test each module's output"),
+     N_("it names the module after the culprit, whose input holds the non-finite value: test each module's output")),
     (lambda a, ok: ok("a layer with parameters") and a["partial inf"] is None and a["inf everywhere"] is None and a["partial NaN"] == "2",
-     "it skips the modules without parameters of their own: every module counts"),
+     N_("it skips the modules without parameters of their own: every module counts")),
     (lambda a, ok: a["a container's own forward"] is None and a["the model itself"] is None and ok("partial inf"),
-     "it skips the modules that have children: hook every module, containers and the model itself too"),
+     N_("it skips the modules that have children: hook every module, containers and the model itself too")),
     (lambda a, ok: a["a container's own forward"] is None and ok("the model itself") and ok("partial inf"),
-     "it skips the modules that have children: hook every module, containers too"),
+     N_("it skips the modules that have children: hook every module, containers too")),
     (lambda a, ok: a["the model itself"] is None and ok("a container's own forward") and ok("partial inf"),
-     "it skips the model itself: named_modules() lists it too, with the name ''"),
+     N_("it skips the model itself: named_modules() lists it too, with the name ''")),
     (lambda a, ok: a["a container, then a leaf"] == "2" and ok("a container's own forward") and ok("partial inf"),
-     "it prefers a leaf module to the container whose own forward made the value: every module counts, the first to finish wins"),
+     N_("it prefers a leaf module to the container whose own forward made the value: every module counts, the first to finish wins")),
     (lambda a, ok: a["a nested tuple"] is None and ok("partial inf") and ok("the model itself"),
-     "it misses non-finite values inside a tuple output: look at every tensor of an output, nested tuples included "
-     "(an LSTM returns output, (h, c))"),
+     N_("it misses non-finite values inside a tuple output: look at every tensor of an output, nested tuples included "
+        "(an LSTM returns output, (h, c))")),
 ]
 
 
@@ -1268,27 +1343,27 @@ def _nonfinite_fault(fn: Callable, root_hooked: bool = False) -> str:
             getattr(module_globals, d).pop(key, None)
     root = "the model itself"
     if root_hooked and answers[root] is None and all(answers[k] == culprits[k] for k in culprits if k != root):
-        return ("a hook of yours was on the model itself, and every other culprit was found, but not '': the name of the model itself "
-                "is a false value, so `name or None` or `if not name:` turns it into None; test `is None`")
+        return _("a hook of yours was on the model itself, and every other culprit was found, but not '': the name of the model itself "
+                 "is a false value, so `name or None` or `if not name:` turns it into None; test `is None`")
     if answers != culprits and all(answers[k] == lasts[k] for k in culprits if culprits[k] is not None):
-        return ("on every model it answered the name of the last module in named_modules(), whatever the culprit: each hook read the "
-                "loop variable when it ran, and saw its last value; bind the name when you define each hook (name=name, or "
-                "functools.partial)")
-    return next((fault for fits, fault in NONFINITE_RULES if fits(answers, lambda k: answers[k] == culprits[k])), "")
+        return _("on every model it answered the name of the last module in named_modules(), whatever the culprit: each hook read the "
+                 "loop variable when it ran, and saw its last value; bind the name when you define each hook (name=name, or "
+                 "functools.partial)")
+    return next((_(fault) for fits, fault in NONFINITE_RULES if fits(answers, lambda k: answers[k] == culprits[k])), "")
 
 
 @exercise("first_nonfinite")
 def check_first_nonfinite(fn) -> None:
-    hints = {"'tuple' object has no attribute": "a module's output can be a tuple, even a nested one (an LSTM returns output, (h, c))",
-             "not tuple": "a module's output can be a tuple, even a nested one (an LSTM returns output, (h, c))"}
+    hints = {"'tuple' object has no attribute": N_("a module's output can be a tuple, even a nested one (an LSTM returns output, (h, c))"),
+             "not tuple": N_("a module's output can be a tuple, even a nested one (an LSTM returns output, (h, c))")}
     for label, make, x in _nonfinite_cases():
         model = make()
-        order = [name for name, _ in model.named_modules()]
+        order = [name for name, _module in model.named_modules()]
         run = _outputs_in_run_order(model, x)
-        expected = next((n for n, nan, inf, _, _ in run if nan or inf), None)
+        expected = next((n for n, nan, inf, _is_tuple, _everywhere in run if nan or inf), None)
         root_hooks: list[int] = []
         x_before, global_before, state, kept = x.clone(), _global_hooks(), _model_state(model), _callers_hook(model, root_hooks)
-        shown = f"{label}, tensor of shape {tuple(x.shape)}"
+        shown = _("{label}, tensor of shape {shape}").format(label=label, shape=tuple(x.shape))
         what = f"first_nonfinite({shown})"
         model.recount()
         got = call(fn, model, x, shown=shown, hints=hints)
@@ -1296,58 +1371,70 @@ def check_first_nonfinite(fn) -> None:
         _expect_one_run(model, what, x)
         _expect_tensor_unchanged(x_before, False, x, what, "x")
         if any(p.grad is not None and state["grads"][n] is None for n, p in model.named_parameters()):
-            raise ExerciseFailed(f"{what} filled the parameters' .grad: finding a non-finite output needs the forward pass only")
+            raise ExerciseFailed(_("{what} filled the parameters' .grad: finding a non-finite output needs the forward pass only").format(
+                what=what))
         _expect_model_unchanged(model, state, what, probe=False)
         if isinstance(got, nn.Module):
-            raise ExerciseFailed(f"{what} returned the module itself ({type(got).__name__}): return its name, as in model.named_modules()")
+            raise ExerciseFailed(_("{what} returned the module itself ({module_class}): return its name, as in model.named_modules()").format(
+                what=what, module_class=type(got).__name__))
         if got is not None and not isinstance(got, str):
-            raise ExerciseFailed(f"{what} returned {a_type(got)}, expected a module's name (a str) or None")
+            raise ExerciseFailed(_("{what} returned {a_type}, expected a module's name (a str) or None").format(what=what, a_type=a_type(got)))
         if got == expected:
             continue
-        flagged = [n for n, nan, inf, _, _ in run if nan or inf]
-        name = repr(expected) if expected else "'' (the model itself)"
+        flagged = [n for n, nan, inf, _is_tuple, _everywhere in run if nan or inf]
+        name = repr(expected) if expected else _("'' (the model itself)")
         if expected is None:
             fault = _nonfinite_fault(fn)
-            raise ExerciseFailed(f"{what} returned {got!r}, expected None: every module's output is finite" + (f"; {fault}" if fault else ""))
+            if fault:
+                message = _("{what} returned {got!r}, expected None: every module's output is finite; {fault}")
+            else:
+                message = _("{what} returned {got!r}, expected None: every module's output is finite")
+            raise ExerciseFailed(message.format(what=what, got=got, fault=fault))
         if isinstance(got, str) and got in flagged and (got == "" or expected.startswith(got + ".")):
             raise ExerciseFailed(
-                f"{what} returned {got!r}, but its sub-module {name} produced the non-finite value first: "
-                "a sub-module finishes, and its forward hook runs, before its parent's"
+                _("{what} returned {got!r}, but its sub-module {name} produced the non-finite value first: "
+                  "a sub-module finishes, and its forward hook runs, before its parent's").format(what=what, got=got, name=name)
             )
         fault = _nonfinite_fault(fn, root_hooked=any(root_hooks))
         if fault:
-            raise ExerciseFailed(f"{what} returned {got!r}, expected {name}: {fault}")
-        calls = [(n, nan or inf) for n, nan, inf, _, _ in run if n == got]
-        if len(calls) > 1 and not calls[0][1] and any(bad for _, bad in calls):
-            raise ExerciseFailed(f"{what} returned {got!r}, which runs {len(calls)} times: its first output was finite, and {name} "
-                                 f"finished with a non-finite output before {got!r} made one; judge each output as it finishes, call by call")
+            raise ExerciseFailed(_("{what} returned {got!r}, expected {name}: {fault}").format(what=what, got=got, name=name, fault=fault))
+        calls = [(n, nan or inf) for n, nan, inf, _is_tuple, _everywhere in run if n == got]
+        if len(calls) > 1 and not calls[0][1] and any(bad for _n, bad in calls):
+            raise ExerciseFailed(_("{what} returned {got!r}, which runs {n} times: its first output was finite, and {name} "
+                                   "finished with a non-finite output before {got!r} made one; judge each output as it finishes, "
+                                   "call by call").format(what=what, got=got, n=len(calls), name=name))
         if got is None and not x.isfinite().all():
-            raise ExerciseFailed(f"{what} returned None, expected {name}: x itself holds a non-finite value, and {name}, the first "
-                                 "module to finish, passed it on in its output; a non-finite input counts too")
+            raise ExerciseFailed(_("{what} returned None, expected {name}: x itself holds a non-finite value, and {name}, the first "
+                                   "module to finish, passed it on in its output; a non-finite input counts too").format(what=what, name=name))
         if got in flagged and got == min(flagged, key=order.index) and got != flagged[0]:
             raise ExerciseFailed(
-                f"{what} returned {got!r}, the first non-finite output in named_modules() order; {name} was the first to produce one "
-                "in the forward pass: record the order in which the hooks run"
+                _("{what} returned {got!r}, the first non-finite output in named_modules() order; {name} was the first to produce one "
+                  "in the forward pass: record the order in which the hooks run").format(what=what, got=got, name=name)
             )
         if got in flagged and got == flagged[-1]:
-            raise ExerciseFailed(f"{what} returned {got!r}, the last module with a non-finite output; expected the first, {name}")
-        modules, ran = dict(model.named_modules()), [n for n, *_ in run]
+            raise ExerciseFailed(_("{what} returned {got!r}, the last module with a non-finite output; expected the first, {name}").format(
+                what=what, got=got, name=name))
+        modules, ran = dict(model.named_modules()), [n for n, *_rest in run]
         if isinstance(got, str) and got == type(modules[expected]).__name__:
-            raise ExerciseFailed(f"{what} returned {got!r}, the class of the culprit: return its name as named_modules() spells it, {name}")
+            raise ExerciseFailed(_("{what} returned {got!r}, the class of the culprit: return its name as named_modules() spells it, "
+                                   "{name}").format(what=what, got=got, name=name))
         if isinstance(got, str) and got.endswith("." + expected) and got not in modules:
-            raise ExerciseFailed(f"{what} returned {got!r}, a name with a prefix; named_modules() without one spells it {name}")
+            raise ExerciseFailed(_("{what} returned {got!r}, a name with a prefix; named_modules() without one spells it {name}").format(
+                what=what, got=got, name=name))
         if got in ran and ran.index(got) == ran.index(expected) - 1:
-            raise ExerciseFailed(f"{what} returned {got!r}, the module that finished just before {name}, which produced the first "
-                                 "non-finite output")
+            raise ExerciseFailed(_("{what} returned {got!r}, the module that finished just before {name}, which produced the first "
+                                   "non-finite output").format(what=what, got=got, name=name))
         if got is None and expected == "":
-            raise ExerciseFailed(f"{what} returned None; the model's own forward made a non-finite output from its sub-modules' finite ones")
-        if got is None and next(is_tuple for n, _, _, is_tuple, _ in run if n == expected):
-            raise ExerciseFailed(f"{what} returned None; {name} returned a tuple that holds inf")
-        raise ExerciseFailed(f"{what} returned {got!r}, expected {name}")
+            raise ExerciseFailed(_("{what} returned None; the model's own forward made a non-finite output from its sub-modules' "
+                                   "finite ones").format(what=what))
+        if got is None and next(is_tuple for n, _nan, _inf, is_tuple, _everywhere in run if n == expected):
+            raise ExerciseFailed(_("{what} returned None; {name} returned a tuple that holds inf").format(what=what, name=name))
+        raise ExerciseFailed(_("{what} returned {got!r}, expected {name}").format(what=what, got=got, name=name))
 
     tripped = _Ordered(trip=True)
     x = torch.randn(2, 5, generator=torch.Generator().manual_seed(22))
-    _expect_model_error(fn, (tripped, x), "first_nonfinite(a model whose forward raises, tensor of shape (2, 5))", tripped, _global_hooks())
+    shown = _("a model whose forward raises, tensor of shape (2, 5)")
+    _expect_model_error(fn, (tripped, x), f"first_nonfinite({shown})", tripped, _global_hooks())
 
 
 # memory_by_phase
@@ -1468,9 +1555,9 @@ def _training_steps() -> dict[str, Callable[[dict], None]]:
 
 def _memory_cases() -> list[tuple[str, Callable[[], dict]]]:
     return [
-        ("tensor phases", _tensor_steps),
-        ("a training step", _training_steps),
-        ("one phase that does nothing", lambda: {"nothing": lambda s: None}),
+        (_("tensor phases"), _tensor_steps),
+        (_("a training step"), _training_steps),
+        (_("one phase that does nothing"), lambda: {"nothing": lambda s: None}),
     ]
 
 
@@ -1521,40 +1608,48 @@ def _memory_mix_ups(steps: Callable[[], dict], names: list[str], expected: dict[
         every_row[name] = sum(event.cpu_memory_usage for event in rows)
         operators[name] = sum(event.self_cpu_memory_usage for event in rows if event.key != "[memory]")
         aten_rows[name] = sum(event.cpu_memory_usage for event in rows if event.key.startswith("aten::"))
+    # The descriptions are shown stripped and translated (_check_memory_by_phase); a trailing space keeps a second reading of
+    # the same description a key of its own.
+    peak = N_("each phase's peak (the most it held at once) instead of what it left allocated when it ended")
+    kib = N_("KiB: return the bytes themselves")
     return {
-        "each phase's peak (the most it held at once) instead of what it left allocated when it ended": peaks,
-        "each phase's peak (the most it held at once) instead of what it left allocated when it ended ": {n: max(0, v) for n, v in peaks.items()},
-        "only the allocations: a free counts too, as negative bytes": allocations,
-        "only the frees: each phase's allocations count too": frees,
-        "the same number for every phase, the whole run's total: give each phase a region of its own (record_function(name)) and "
-        "read that region's row": {n: sum(expected.values()) for n in names},
-        "each region's count of calls, not its memory: read the region's cpu_memory_usage": {n: 1 for n in names},
-        "a running total: each number includes the phases before it; give each phase its own allocations minus frees":
+        peak: peaks,
+        peak + " ": {n: max(0, v) for n, v in peaks.items()},
+        N_("only the allocations: a free counts too, as negative bytes"): allocations,
+        N_("only the frees: each phase's allocations count too"): frees,
+        N_("the same number for every phase, the whole run's total: give each phase a region of its own (record_function(name)) and "
+           "read that region's row"): {n: sum(expected.values()) for n in names},
+        N_("each region's count of calls, not its memory: read the region's cpu_memory_usage"): {n: 1 for n in names},
+        N_("a running total: each number includes the phases before it; give each phase its own allocations minus frees"):
             dict(zip(names, itertools.accumulate(expected[n] for n in names))),
-        "for each phase, the sum of every row's cpu_memory_usage, which counts an operator's allocations again in each operator "
-        "that called it: read one region's cpu_memory_usage, or sum the self column": every_row,
-        "for each phase, the sum of the aten:: rows' cpu_memory_usage, which counts an operator's allocations again in each "
-        "operator that called it (aten::ones calls aten::empty): read one region's cpu_memory_usage, or sum the self column": aten_rows,
-        "the operators' own allocations only: a free that happens outside every operator (a tensor's last reference dropped) "
-        "has a row of its own, '[memory]', which counts too": operators,
-        "negative numbers clipped to 0: a phase that frees more than it allocates leaves a negative number": {n: max(0, v) for n, v in expected.items()},
-        "each change without its sign: a phase that frees more than it allocates leaves a negative number": {n: abs(v) for n, v in expected.items()},
-        "each change with the opposite sign: allocations minus frees is positive for a phase that allocates": {n: -v for n, v in expected.items()},
-        "KiB: return the bytes themselves": {n: v // 1024 for n, v in expected.items()},
-        "KiB: return the bytes themselves ": {n: round(v / 1024) for n, v in expected.items()},
-        "MiB: return the bytes themselves": {n: round(v / 2**20) for n, v in expected.items()},
+        N_("for each phase, the sum of every row's cpu_memory_usage, which counts an operator's allocations again in each operator "
+           "that called it: read one region's cpu_memory_usage, or sum the self column"): every_row,
+        N_("for each phase, the sum of the aten:: rows' cpu_memory_usage, which counts an operator's allocations again in each "
+           "operator that called it (aten::ones calls aten::empty): read one region's cpu_memory_usage, or sum the self column"): aten_rows,
+        N_("the operators' own allocations only: a free that happens outside every operator (a tensor's last reference dropped) "
+           "has a row of its own, '[memory]', which counts too"): operators,
+        N_("negative numbers clipped to 0: a phase that frees more than it allocates leaves a negative number"):
+            {n: max(0, v) for n, v in expected.items()},
+        N_("each change without its sign: a phase that frees more than it allocates leaves a negative number"):
+            {n: abs(v) for n, v in expected.items()},
+        N_("each change with the opposite sign: allocations minus frees is positive for a phase that allocates"):
+            {n: -v for n, v in expected.items()},
+        kib: {n: v // 1024 for n, v in expected.items()},
+        kib + " ": {n: round(v / 1024) for n, v in expected.items()},
+        N_("MiB: return the bytes themselves"): {n: round(v / 2**20) for n, v in expected.items()},
     }
 
 
-EARLY_READ = ("read a profile's events (key_averages(), events()) while the profiler was still running, inside its `with` block: "
-              "they are complete only once it has stopped; read them after the block")
+EARLY_READ = N_("read a profile's events (key_averages(), events()) while the profiler was still running, inside its `with` block: "
+                "they are complete only once it has stopped; read them after the block")
 
 
 @exercise("memory_by_phase")
 def check_memory_by_phase(fn) -> None:
     quiet_profiler()
     if _profiler_running():
-        raise ExerciseFailed("a profiler is still running in this kernel, started by an earlier cell: stop it (prof.stop()) and run this check again")
+        raise ExerciseFailed(_("a profiler is still running in this kernel, started by an earlier cell: stop it (prof.stop()) and run "
+                               "this check again"))
     with _no_garbage_collection():
         _check_memory_by_phase(fn)
 
@@ -1585,83 +1680,98 @@ def _check_memory_by_phase(fn) -> None:
             with _watching_profilers(hidden):
                 try:
                     got = call(fn, phases, shown=f"{label}: {names}", hints={
-                        "element 0 of tensors does not require grad": "a phase's backward found no graph: the phases ran with "
-                                                                      "gradients off (torch.no_grad() or inference_mode); run them as they are"})
+                        "element 0 of tensors does not require grad": N_("a phase's backward found no graph: the phases ran with "
+                                                                         "gradients off (torch.no_grad() or inference_mode); run them as they are")})
                 except ExerciseFailed as err:
                     if any(hidden.early_reads):
-                        raise ExerciseFailed(f"{err.message}; it {EARLY_READ}") from None
+                        raise ExerciseFailed(_("{message}; it {early_read}").format(message=err.message, early_read=_(EARLY_READ))) from None
                     raise
         finally:
             left_on = _profiler_running()
             if left_on:
                 _stop_profiler()
         if left_on:
-            raise ExerciseFailed(f"{what} left the profiler running: use `with profile(...) as prof:`, or call prof.stop()")
+            raise ExerciseFailed(_("{what} left the profiler running: use `with profile(...) as prof:`, or call prof.stop()").format(what=what))
         if list(phases) != names or any(phases[n] is not given[n] for n in names):
-            raise ExerciseFailed(f"{what} changed the caller's dict of phases: read it, do not change it")
+            raise ExerciseFailed(_("{what} changed the caller's dict of phases: read it, do not change it").format(what=what))
         counts = {n: hidden.order.count(n) for n in names}
         if any(count != 1 for count in counts.values()):
             wrong = next(n for n in names if counts[n] != 1)
-            raise ExerciseFailed(f"{what} ran the phase {wrong!r} {counts[wrong]} times; run each phase exactly once: a phase changes the state the next one works on")
+            raise ExerciseFailed(_("{what} ran the phase {phase!r} {count} times; run each phase exactly once: a phase changes the state "
+                                   "the next one works on").format(what=what, phase=wrong, count=counts[wrong]))
         if hidden.order != names:
-            raise ExerciseFailed(f"{what} ran the phases in the order {hidden.order}, expected the dict's order, {names}")
+            raise ExerciseFailed(_("{what} ran the phases in the order {order}, expected the dict's order, {names}").format(
+                what=what, order=hidden.order, names=names))
         outside = [n for n, on in zip(hidden.order, hidden.profiling) if not on]
         if outside == names:
-            raise ExerciseFailed(f"{what} ran the phases with no profiler running: measure them with torch.profiler.profile("
-                                 "activities=[ProfilerActivity.CPU], profile_memory=True)")
+            raise ExerciseFailed(_("{what} ran the phases with no profiler running: measure them with torch.profiler.profile("
+                                   "activities=[ProfilerActivity.CPU], profile_memory=True)").format(what=what))
         if outside:
-            raise ExerciseFailed(f"{what} ran the phase{'s' if len(outside) > 1 else ''} {outside} with no profiler running")
-        got = _expect_dict(got, what, "bytes")
+            raise ExerciseFailed(ngettext("{what} ran the phase {outside} with no profiler running",
+                                          "{what} ran the phases {outside} with no profiler running", len(outside)).format(
+                                              what=what, outside=outside))
+        got = _expect_dict(got, what, _("bytes"))
         if set(got) != set(names):
             extra = sorted(set(got) - set(names), key=str)
             if extra and set(names) <= set(got):
-                raise ExerciseFailed(f"{what} returned {len(got)} keys, {extra[:3]} among them; expected only the phases' names, {names}")
+                raise ExerciseFailed(_("{what} returned {n} keys, {extra} among them; expected only the phases' names, {names}").format(
+                    what=what, n=len(got), extra=extra[:3], names=names))
             missing = [n for n in names if n not in got]
             if not extra and all(expected[n] == 0 for n in missing):
-                raise ExerciseFailed(f"{what} has no entry for {missing}, the phase{'s' if len(missing) > 1 else ''} that left 0 bytes: "
-                                     "return every phase, 0 included")
-            raise ExerciseFailed(f"{what} returned the keys {sorted(got, key=str)[:8]}, expected the phases' names, {names}")
+                raise ExerciseFailed(ngettext("{what} has no entry for {missing}, the phase that left 0 bytes: return every phase, 0 included",
+                                              "{what} has no entry for {missing}, the phases that left 0 bytes: return every phase, 0 included",
+                                              len(missing)).format(what=what, missing=missing))
+            raise ExerciseFailed(_("{what} returned the keys {keys}, expected the phases' names, {names}").format(
+                what=what, keys=sorted(got, key=str)[:8], names=names))
         for name in names:
             value = got[name]
             if isinstance(value, bool) or isinstance(value, torch.Tensor) or not isinstance(value, (int, float)):
-                raise ExerciseFailed(f"{what}[{name!r}] is {a_type(value)}, expected a Python int (bytes)")
+                raise ExerciseFailed(_("{what}[{name!r}] is {a_type}, expected a Python int (bytes)").format(
+                    what=what, name=name, a_type=a_type(value)))
         if any(isinstance(v, float) for v in got.values()):
             if all(math.isclose(got[n] * 2**20, expected[n], abs_tol=1) for n in names):
-                raise ExerciseFailed(f"{what} returned MiB: return the bytes themselves, as ints")
+                raise ExerciseFailed(_("{what} returned MiB: return the bytes themselves, as ints").format(what=what))
             if all(math.isclose(got[n] * 1024, expected[n], abs_tol=1) for n in names):
-                raise ExerciseFailed(f"{what} returned KiB: return the bytes themselves, as ints")
+                raise ExerciseFailed(_("{what} returned KiB: return the bytes themselves, as ints").format(what=what))
             if all(got[n] == expected[n] for n in names):
-                raise ExerciseFailed(f"{what} returned floats, expected Python ints (bytes)")
+                raise ExerciseFailed(_("{what} returned floats, expected Python ints (bytes)").format(what=what))
         if got == expected:
             continue
         if any(hidden.early_reads):
-            raise ExerciseFailed(f"{what} {EARLY_READ}")
+            early_read = _(EARLY_READ)
+            raise ExerciseFailed(f"{what} {early_read}")
         if hidden.opened_regions:
             outside = [n for n, inside in zip(hidden.order, hidden.inside) if not inside]
             if outside:
-                raise ExerciseFailed(f"{what} ran the phase{'s' if len(outside) > 1 else ''} {outside} while no record_function region was "
-                                     "open: call each phase inside its own `with record_function(name):` block")
+                raise ExerciseFailed(ngettext(
+                    "{what} ran the phase {outside} while no record_function region was open: call each phase inside its own "
+                    "`with record_function(name):` block",
+                    "{what} ran the phases {outside} while no record_function region was open: call each phase inside its own "
+                    "`with record_function(name):` block", len(outside)).format(what=what, outside=outside))
             elsewhere = [(n, inside[-1]) for n, inside in zip(hidden.order, hidden.inside) if inside[-1] != n and inside[-1] in names]
             if elsewhere:
                 n, region = elsewhere[0]
-                raise ExerciseFailed(f"{what} ran the phase {n!r} inside the region {region!r}: give each phase its own region, named after it")
+                raise ExerciseFailed(_("{what} ran the phase {phase!r} inside the region {region!r}: give each phase its own region, "
+                                       "named after it").format(what=what, phase=n, region=region))
         if any(expected.values()) and not any(got.values()) and all(m is False for m in hidden.memory):
-            raise ExerciseFailed(f"{what} returned 0 for every phase: the profiler ran without profile_memory=True, so it recorded "
-                                 "no allocations")
+            raise ExerciseFailed(_("{what} returned 0 for every phase: the profiler ran without profile_memory=True, so it recorded "
+                                   "no allocations").format(what=what))
         if got == self_only and self_only != expected:
             raise ExerciseFailed(
-                f"{what} returned each region's *self* memory, which leaves out the operators the phase ran: "
-                "use the region's cpu_memory_usage (everything inside it)"
+                _("{what} returned each region's *self* memory, which leaves out the operators the phase ran: "
+                  "use the region's cpu_memory_usage (everything inside it)").format(what=what)
             )
         cumulative = {n: sum(expected[m] for m in names[i:]) for i, n in enumerate(names)}
         if got == cumulative:
-            raise ExerciseFailed(f"{what}: each phase's number includes the phases after it: close each phase's region before the next phase starts")
-        mix_up = next((text.strip() for text, values in _memory_mix_ups(steps, names, expected).items()
+            raise ExerciseFailed(_("{what}: each phase's number includes the phases after it: close each phase's region before the next "
+                                   "phase starts").format(what=what))
+        mix_up = next((_(text.strip()) for text, values in _memory_mix_ups(steps, names, expected).items()
                        if values != expected and any(values.values()) and got == values), None)
         if mix_up:
-            raise ExerciseFailed(f"{what} returned {mix_up}")
+            raise ExerciseFailed(_("{what} returned {mix_up}").format(what=what, mix_up=mix_up))
         wrong = next(n for n in names if got[n] != expected[n])
-        raise ExerciseFailed(f"{what}[{wrong!r}] is {got[wrong]!r} bytes, expected {expected[wrong]:,} (allocated minus freed during that phase)")
+        raise ExerciseFailed(_("{what}[{name!r}] is {got!r} bytes, expected {expected:,} (allocated minus freed during that phase)").format(
+            what=what, name=wrong, got=got[wrong], expected=expected[wrong]))
 
 
 # checkpoint_segments
@@ -1729,12 +1839,12 @@ class _BlockWatch:
             h.remove()
 
     def forward_order(self) -> list[int]:
-        return [i for i, *_ in self.calls[:self.forward_calls]]
+        return [i for i, *_rest in self.calls[:self.forward_calls]]
 
     def recomputed_segments(self) -> list[list[int]]:
         """The runs of blocks that the backward pass recomputed together, in forward order: each is one checkpoint's blocks."""
         runs: list[list[int]] = []
-        for i, *_ in self.calls[self.forward_calls:]:
+        for i, *_rest in self.calls[self.forward_calls:]:
             if runs and i == runs[-1][-1] + 1:
                 runs[-1].append(i)
             else:
@@ -1743,7 +1853,9 @@ class _BlockWatch:
 
 
 def _blocks_text(indices: list[int]) -> str:
-    return f"block {indices[0]}" if len(indices) == 1 else f"blocks {indices}"
+    if len(indices) == 1:
+        return _("block {index}").format(index=indices[0])
+    return _("blocks {indices}").format(indices=indices)
 
 
 def _order_fault(order: list[int], n: int, finished: bool = True) -> str:
@@ -1752,42 +1864,44 @@ def _order_fault(order: list[int], n: int, finished: bool = True) -> str:
     if order == list(range(n)) or (not finished and order == list(range(len(order)))):
         return ""
     if order and order[0] != 0:
-        return f"ran {_blocks_text(order[:1])} first (the order was {order}): start with block 0 and follow the ModuleList's order"
+        return _("ran {blocks} first (the order was {order}): start with block 0 and follow the ModuleList's order").format(
+            blocks=_blocks_text(order[:1]), order=order)
     repeated = sorted({i for i in order if order.count(i) > 1})
     if repeated:
-        return f"ran {_blocks_text(repeated)} more than once in the forward pass (the order was {order}): run each block once"
+        return _("ran {blocks} more than once in the forward pass (the order was {order}): run each block once").format(
+            blocks=_blocks_text(repeated), order=order)
     last = max(order) if order else -1
     skipped = [i for i in range(last if not finished else n) if i not in order]
     if skipped and order == sorted(order):
-        return f"never ran {_blocks_text(skipped)} (the order was {order}): run every block, in order"
-    return f"ran the blocks in the order {order}, expected {list(range(n))}"
+        return _("never ran {blocks} (the order was {order}): run every block, in order").format(blocks=_blocks_text(skipped), order=order)
+    return _("ran the blocks in the order {order}, expected {expected}").format(order=order, expected=list(range(n)))
 
 
 CHECKPOINT_HINTS = {
-    'Module [ModuleList] is missing the required "forward" function': "a ModuleList cannot be called: nn.Sequential(blocks[i:j]) "
-    "holds the slice as one module; unpack it, nn.Sequential(*blocks[i:j]), or loop over the blocks",
-    "must have the same dtype": "mixed dtypes in one operation: the batch and the blocks' weights must share a dtype",
+    'Module [ModuleList] is missing the required "forward" function': N_("a ModuleList cannot be called: nn.Sequential(blocks[i:j]) "
+    "holds the slice as one module; unpack it, nn.Sequential(*blocks[i:j]), or loop over the blocks"),
+    "must have the same dtype": N_("mixed dtypes in one operation: the batch and the blocks' weights must share a dtype"),
 }
 
 
 @exercise("checkpoint_segments")
 def check_checkpoint_segments(fn) -> None:
     cases = [  # 7 blocks in 3 + 3 + 1; dropout, replayed in backward; one segment for all; a segment per block
-        ("7 blocks", _blocks(31, [3, 5, 10, 19, 38, 76, 151, 8]), 5, 3),
-        ("5 blocks with dropout", _blocks(32, [9, 11, 13, 15, 17, 19], dropout=0.3), 1, 2),
-        ("4 blocks", _blocks(33, [6, 7, 8, 9, 10]), 3, 4),
-        ("3 blocks", _blocks(34, [5, 8, 11, 14]), 2, 1),
+        (N_("7 blocks"), _blocks(31, [3, 5, 10, 19, 38, 76, 151, 8]), 5, 3),  # N_: the English label is tested, the translation shown
+        (N_("5 blocks with dropout"), _blocks(32, [9, 11, 13, 15, 17, 19], dropout=0.3), 1, 2),
+        (N_("4 blocks"), _blocks(33, [6, 7, 8, 9, 10]), 3, 4),
+        (N_("3 blocks"), _blocks(34, [5, 8, 11, 14]), 2, 1),
     ]
     g = torch.Generator().manual_seed(35)
     for label, blocks, batch, size in cases:
         n = len(blocks)
         x = torch.randn(batch, blocks[0][0].in_features, generator=g)  # a batch of data: it does not require grad
-        shown = f"{label}, tensor of shape {tuple(x.shape)}, {size}"
+        shown = _("{label}, tensor of shape {shape}, {size}").format(label=_(label), shape=tuple(x.shape), size=size)
         what = f"checkpoint_segments({shown})"
         starts = list(range(0, n, size))
         segments = [list(range(s, min(s + size, n))) for s in starts]
         torch.manual_seed(36)
-        (expected, sizes), _ = saved_activation_bytes(lambda: _plain(blocks, x), blocks.parameters())
+        (expected, sizes), _saved = saved_activation_bytes(lambda: _plain(blocks, x), blocks.parameters())
         rng_after = torch.get_rng_state()  # where the plain forward pass left the random state: dropout drew its masks from it
         expected.sum().backward()
         expected_grads = {name: p.grad.clone() for name, p in blocks.named_parameters()}
@@ -1803,21 +1917,21 @@ def check_checkpoint_segments(fn) -> None:
                     got, got_bytes = saved_activation_bytes(lambda: call(fn, blocks, x, size, shown=shown, hints=CHECKPOINT_HINTS),
                                                             blocks.parameters())
                 except ExerciseFailed as err:
-                    fault = _order_fault([i for i, *_ in watch.calls], n, finished=False)
-                    raise ExerciseFailed(f"{err.message}: it {fault}" if fault else err.message) from None
+                    fault = _order_fault([i for i, *_rest in watch.calls], n, finished=False)
+                    raise ExerciseFailed(_("{message}: it {fault}").format(message=err.message, fault=fault) if fault else err.message) from None
                 watch.end_forward()
-                _expect_tensor_unchanged(x_before, False, x, what, "batch x (with use_reentrant=False the input need not require grad)")
+                _expect_tensor_unchanged(x_before, False, x, what, _("batch x (with use_reentrant=False the input need not require grad)"))
                 if got is None:
-                    raise ExerciseFailed(f"{what} returned None: did you forget to `return` the output?")
+                    raise ExerciseFailed(_("{what} returned None: did you forget to `return` the output?").format(what=what))
                 if not isinstance(got, torch.Tensor):
-                    raise ExerciseFailed(f"{what} returned {a_type(got)}, expected the output tensor")
+                    raise ExerciseFailed(_("{what} returned {a_type}, expected the output tensor").format(what=what, a_type=a_type(got)))
                 rng_now = torch.get_rng_state()
                 _judge_forward(watch, got, n, what)
                 if label.endswith("dropout") and not _same(got.detach(), expected.detach()) and not torch.equal(rng_now, rng_after):
-                    raise ExerciseFailed(f"the output of {what} differs from the plain pass, and your call left the random state elsewhere "
-                                         "than the plain pass does: it reseeded (torch.manual_seed) or drew random numbers of its own, so "
-                                         "dropout drew other masks; leave the random state alone")
-                expect_tensor(got, expected.detach(), what=f"the output of {what}", atol=1e-6)
+                    raise ExerciseFailed(_("the output of {what} differs from the plain pass, and your call left the random state elsewhere "
+                                           "than the plain pass does: it reseeded (torch.manual_seed) or drew random numbers of its own, so "
+                                           "dropout drew other masks; leave the random state alone").format(what=what))
+                expect_tensor(got, expected.detach(), what=_("the output of {what}").format(what=what), atol=1e-6)
                 _backward_through_checkpoints(got, what)
         finally:
             watch.remove()
@@ -1825,16 +1939,22 @@ def check_checkpoint_segments(fn) -> None:
         _judge_segments(watch, blocks, segments, size, what)
         if got_bytes != expected_bytes:
             found = _segment_starts(got_bytes, sizes)
-            saved = f"the inputs of blocks {found} ({got_bytes:,} bytes)" if found else f"{got_bytes:,} bytes"
-            raise ExerciseFailed(f"{what} saved {saved} for backward; segments of {size} blocks start at blocks {starts}, "
-                                 f"whose inputs take {expected_bytes:,} bytes")
+            if found:
+                saved = _("the inputs of blocks {found} ({got_bytes:,} bytes)").format(found=found, got_bytes=got_bytes)
+            else:
+                saved = _("{got_bytes:,} bytes").format(got_bytes=got_bytes)
+            raise ExerciseFailed(_("{what} saved {saved} for backward; segments of {size} blocks start at blocks {starts}, "
+                                   "whose inputs take {expected_bytes:,} bytes").format(
+                                       what=what, saved=saved, size=size, starts=starts, expected_bytes=expected_bytes))
         for name, p in blocks.named_parameters():
             if label.endswith("dropout") and not _same(p.grad, expected_grads[name]):
                 raise ExerciseFailed(
-                    f"the gradient of blocks.{name} through {what} differs from the plain pass, and the blocks without dropout agreed: "
-                    "the recomputation in backward drew other dropout masks; keep checkpoint's default preserve_rng_state=True"
+                    _("the gradient of blocks.{name} through {what} differs from the plain pass, and the blocks without dropout agreed: "
+                      "the recomputation in backward drew other dropout masks; keep checkpoint's default "
+                      "preserve_rng_state=True").format(name=name, what=what)
                 )
-            expect_tensor(p.grad, expected_grads[name], what=f"the gradient of blocks.{name} through {what}", atol=1e-6)
+            expect_tensor(p.grad, expected_grads[name], what=_("the gradient of blocks.{name} through {what}").format(name=name, what=what),
+                          atol=1e-6)
 
 
 def _expect_blocks_unchanged(blocks: nn.ModuleList, state: dict, what: str) -> None:
@@ -1845,36 +1965,37 @@ def _expect_blocks_unchanged(blocks: nn.ModuleList, state: dict, what: str) -> N
 def _judge_forward(watch: _BlockWatch, got: torch.Tensor, n: int, what: str) -> None:
     """What the learner's forward pass did, watched block by block: the variant of checkpoint, the order, the graph."""
     forward = watch.calls[:watch.forward_calls]
-    if any(variant == "reentrant" for _, _, variant, _ in forward) and not got.requires_grad:
+    if any(variant == "reentrant" for _i, _grad_on, variant, _needs_grad in forward) and not got.requires_grad:
         raise ExerciseFailed(
-            f"{what} used the reentrant checkpoint (use_reentrant=True, or not passed: PyTorch then falls back to it), whose output "
-            "has no graph when its input does not require grad, as a batch of data does not: pass use_reentrant=False"
+            _("{what} used the reentrant checkpoint (use_reentrant=True, or not passed: PyTorch then falls back to it), whose output "
+              "has no graph when its input does not require grad, as a batch of data does not: pass use_reentrant=False").format(what=what)
         )
-    if any(variant == "reentrant" for _, _, variant, _ in forward):
-        raise ExerciseFailed(f"{what} used the reentrant checkpoint (use_reentrant=True, or not passed: PyTorch then falls back to "
-                             "it), the legacy variant: use the non-reentrant one, use_reentrant=False")
-    if any(variant == "nested" for _, _, variant, _ in forward):
-        raise ExerciseFailed(f"{what} ran blocks inside a checkpoint inside another checkpoint: put each segment in one checkpoint, "
-                             "with its blocks called plainly inside it")
+    if any(variant == "reentrant" for _i, _grad_on, variant, _needs_grad in forward):
+        raise ExerciseFailed(_("{what} used the reentrant checkpoint (use_reentrant=True, or not passed: PyTorch then falls back to "
+                               "it), the legacy variant: use the non-reentrant one, use_reentrant=False").format(what=what))
+    if any(variant == "nested" for _i, _grad_on, variant, _needs_grad in forward):
+        raise ExerciseFailed(_("{what} ran blocks inside a checkpoint inside another checkpoint: put each segment in one checkpoint, "
+                               "with its blocks called plainly inside it").format(what=what))
     fault = _order_fault(watch.forward_order(), n)
     if fault:
         raise ExerciseFailed(f"{what} {fault}")
-    if not any(grad_on for _, grad_on, _, _ in forward):
-        raise ExerciseFailed(f"{what} ran the blocks with gradient recording off (torch.is_grad_enabled() was False, as under "
-                             "torch.no_grad()): its output has no graph through them to backpropagate")
+    if not any(grad_on for _i, grad_on, _variant, _needs_grad in forward):
+        raise ExerciseFailed(_("{what} ran the blocks with gradient recording off (torch.is_grad_enabled() was False, as under "
+                               "torch.no_grad()): its output has no graph through them to backpropagate").format(what=what))
     if not got.requires_grad:
-        raise ExerciseFailed(f"{what} returned an output that does not require grad, though the blocks ran with gradients on: "
-                             "it was detached after them")
-    cut = [i for i, _, _, needs_grad in forward if i > 0 and not needs_grad]
+        raise ExerciseFailed(_("{what} returned an output that does not require grad, though the blocks ran with gradients on: "
+                               "it was detached after them").format(what=what))
+    cut = [i for i, _grad_on, _variant, needs_grad in forward if i > 0 and not needs_grad]
     if cut:
-        raise ExerciseFailed(f"{what}: the input of block {cut[-1]} did not require grad, though block {cut[-1] - 1}'s output did: "
-                             f"the graph is cut between them, and backward cannot reach blocks 0 to {cut[-1] - 1} "
-                             "(.detach() and .data cut it)")
-    leaves = [i for (i, *_), leaf in zip(forward, watch.leaf_inputs) if i > 0 and leaf]
+        raise ExerciseFailed(_("{what}: the input of block {block} did not require grad, though block {previous}'s output did: "
+                               "the graph is cut between them, and backward cannot reach blocks 0 to {previous} "
+                               "(.detach() and .data cut it)").format(what=what, block=cut[-1], previous=cut[-1] - 1))
+    leaves = [i for (i, *_rest), leaf in zip(forward, watch.leaf_inputs) if i > 0 and leaf]
     if leaves:
-        raise ExerciseFailed(f"{what}: the input of block {leaves[-1]} is a new leaf tensor (it requires grad but has no grad_fn), not "
-                             f"block {leaves[-1] - 1}'s output with its graph: the graph is cut between them (.detach() or .data, then "
-                             f"requires_grad_()), and backward cannot reach blocks 0 to {leaves[-1] - 1}")
+        raise ExerciseFailed(_("{what}: the input of block {block} is a new leaf tensor (it requires grad but has no grad_fn), not "
+                               "block {previous}'s output with its graph: the graph is cut between them (.detach() or .data, then "
+                               "requires_grad_()), and backward cannot reach blocks 0 to {previous}").format(
+                                   what=what, block=leaves[-1], previous=leaves[-1] - 1))
 
 
 def _judge_segments(watch: _BlockWatch, blocks: nn.ModuleList, segments: list[list[int]], size: int, what: str) -> None:
@@ -1885,15 +2006,21 @@ def _judge_segments(watch: _BlockWatch, blocks: nn.ModuleList, segments: list[li
     inside = {i for segment in recomputed for i in segment}
     outside = [i for i in range(len(blocks)) if i not in inside]
     if not recomputed:
-        raise ExerciseFailed(f"{what}: no block was recomputed in backward, so none ran inside a checkpoint: run each segment "
-                             "through torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
+        raise ExerciseFailed(_("{what}: no block was recomputed in backward, so none ran inside a checkpoint: run each segment "
+                               "through torch.utils.checkpoint.checkpoint(..., use_reentrant=False)").format(what=what))
     if outside:
-        sequential = any(variant == "sequential" for i, _, variant, _ in watch.calls[:watch.forward_calls] if i in outside)
-        raise ExerciseFailed(f"{what}: {_blocks_text(outside)} ran outside every checkpoint; every block "
-                             "must be inside one" + (" (checkpoint_sequential leaves its last segment out)" if sequential else ""))
+        sequential = any(variant == "sequential" for i, _grad_on, variant, _needs_grad in watch.calls[:watch.forward_calls] if i in outside)
+        if sequential:
+            message = _("{what}: {blocks} ran outside every checkpoint; every block must be inside one "
+                        "(checkpoint_sequential leaves its last segment out)")
+        else:
+            message = _("{what}: {blocks} ran outside every checkpoint; every block must be inside one")
+        raise ExerciseFailed(message.format(what=what, blocks=_blocks_text(outside)))
     if size > 1 and all(len(s) == 1 for s in recomputed):
-        raise ExerciseFailed(f"{what} checkpointed every block on its own; expected segments of {size} blocks: {segments}")
-    raise ExerciseFailed(f"{what} checkpointed the blocks in the segments {recomputed}; segments of {size} blocks are {segments}")
+        raise ExerciseFailed(_("{what} checkpointed every block on its own; expected segments of {size} blocks: {segments}").format(
+            what=what, size=size, segments=segments))
+    raise ExerciseFailed(_("{what} checkpointed the blocks in the segments {recomputed}; segments of {size} blocks are {segments}").format(
+        what=what, recomputed=recomputed, size=size, segments=segments))
 
 
 def _segment_starts(got_bytes: int, sizes: list[int]) -> list[int] | None:
@@ -1914,7 +2041,9 @@ def _backward_through_checkpoints(out: torch.Tensor, what: str) -> None:
         text = first_line(err)
         if "shape" in text or "Recomputed values" in text or "size of tensor" in text:
             raise ExerciseFailed(
-                f"backward through {what} raised {type(err).__name__}: {text[:100]}: the recomputation ran other blocks than the "
-                "forward pass did; a function that reads a loop variable when it runs sees the variable's last value"
+                _("backward through {what} raised {error}: {message}: the recomputation ran other blocks than the "
+                  "forward pass did; a function that reads a loop variable when it runs sees the variable's last value").format(
+                      what=what, error=type(err).__name__, message=text[:100])
             ) from None
-        raise ExerciseFailed(f"backward through {what} raised {type(err).__name__}: {text}") from None
+        raise ExerciseFailed(_("backward through {what} raised {error}: {message}").format(
+            what=what, error=type(err).__name__, message=text)) from None

@@ -16,16 +16,44 @@ The checker's plugin runs outside the kernel and words an exercise cell's own er
 way, from the error output the kernel sent back (`message_from_output`).
 """
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from course_utils.tooling.language import LOCALES, N_, _, catalog
 
 DEFINES = re.compile(r"^(?:async[ \t]+def|def|class)[ \t]+([A-Za-z_]\w*)", re.M)
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 CELL_LINE = re.compile(r"Cell In\[(\d+)\], line (\d+)")  # how IPython names a cell's line in a traceback
 SYNTAX_WHERE = re.compile(r"^(?P<detail>.*) \([^()]*, line (?P<line>\d+)\)$", re.S)  # str(SyntaxError) ends "(file, line N)"
 UNBOUND = object()  # the failed cell's name was not defined at all afterwards
-PREFIX = "your cell for `"
+RAISED_AT = N_("your cell for `{name}` raised {error} at line {line}{detail}: fix it and run that cell again")
+RAISED = N_("your cell for `{name}` raised {error}{detail}: fix it and run that cell again")
+
+
+@functools.cache
+def prefixes() -> tuple[str, ...]:
+    """How a cell's failure message starts, in English and in each translation ("your cell for `", ...).
+
+    The checker's plugin tells by it that a check's reason names a cell that raised, whatever the language the
+    notebook's kernel said it in. A translation that starts with the name (or its opening `) gives no prefix.
+    """
+    found = []
+    for message in (RAISED_AT, RAISED):
+        for text in (message, *(catalog(lang).gettext(message) for lang in LOCALES)):
+            head = text.split("{name}")[0]
+            if len(head.strip()) >= 2 and head not in found:
+                found.append(head)
+    return tuple(found)
+
+
+def __getattr__(name: str) -> Any:
+    """PREFIX: prefixes() as a tuple for str.startswith, read from the catalogs only when the checker's plugin asks for it
+    (a kernel that loads this module for its cells never does)."""
+    if name == "PREFIX":
+        return prefixes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -47,10 +75,12 @@ _failures: dict[str, CellFailure] = {}
 
 def failure_message(name: str, error: str, line: int | None, detail: str = "") -> str:
     """"your cell for `draw` raised SyntaxError at line 2 (incomplete input): fix it and run that cell again"."""
-    where = f" at line {line}" if line else ""
     detail = " ".join(detail.split())
-    detail = f" ({detail[:117]}...)" if len(detail) > 120 else f" ({detail})" if detail else ""
-    return f"{PREFIX}{name}` raised {error}{where}{detail}: fix it and run that cell again"
+    detail = f"{detail[:117]}..." if len(detail) > 120 else detail
+    detail = _(" ({detail})").format(detail=detail) if detail else ""
+    if line:
+        return _(RAISED_AT).format(name=name, error=error, line=line, detail=detail)
+    return _(RAISED).format(name=name, error=error, detail=detail)
 
 
 def watch(shell: Any) -> None:

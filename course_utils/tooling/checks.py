@@ -515,7 +515,7 @@ ERROR_HINTS = {
 
 def error_hint(err: Exception, hints: dict[str, str] = ERROR_HINTS) -> str:
     text = str(err)
-    return next((" ({})".format(_(hint)) for key, hint in hints.items() if key in text), "")
+    return next((_(" ({hint})").format(hint=_(hint)) for key, hint in hints.items() if key in text), "")
 
 
 def first_line(err: BaseException) -> str:

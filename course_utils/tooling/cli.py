@@ -10,6 +10,7 @@ import difflib
 import sys
 from pathlib import Path
 
+from course_utils.tooling.language import N_, _
 from course_utils.tooling.layout import (
     CourseError, lesson_number, read_notebook_json, shown, source_for, work_dir, work_path,
 )
@@ -25,7 +26,8 @@ def find_notebook(lesson: str, solutions: bool = False) -> Path:
         return source
     mine = work_path(source)
     if not mine.exists():
-        raise CourseError(f"{shown(mine)} does not exist yet: `make lab` (or `python -m course_utils workspace`) makes your copies")
+        raise CourseError(_("{notebook} does not exist yet: `make lab` (or `python -m course_utils workspace`) makes your copies").format(
+            notebook=shown(mine)))
     return mine
 
 
@@ -47,15 +49,15 @@ def check(notebook: Path, lesson: str | None = None) -> int:
     results = run_checker([notebook])
     result = next(iter(results.values()), None)
     if not result or (not result["exercises"] and not result["stopped_at"]):
-        raise CourseError(f"{shown(notebook)} has no exercises of this course (is it a lesson notebook?)")
+        raise CourseError(_("{notebook} has no exercises of this course (is it a lesson notebook?)").format(notebook=shown(notebook)))
     print("\n".join(scoreboard_lines(results)))
     if result["stopped_at"]:
-        print(f"\nThe checker stopped at {result['stopped_at'].split(':')[0]}, so the cells after it did not run.")
-        print(f"Open {shown(notebook)} and run it top to bottom to see the full error.")
+        print("\n" + _("The checker stopped at {cell}, so the cells after it did not run.").format(cell=result["stopped_at"].split(":")[0]))
+        print(_("Open {notebook} and run it top to bottom to see the full error.").format(notebook=shown(notebook)))
     judged = result.get("lesson")
     if judged and notebook.resolve().parent == work_dir().resolve():
         if held:  # a path given by hand: judged as what it holds, recorded as neither lesson
-            print(f"\nNot recorded: {wrong_lesson_message(notebook, held)}")
+            print("\n" + _("Not recorded: {reason}").format(reason=wrong_lesson_message(notebook, held)))
         else:
             record_checked(judged, result, saved)
     statuses = [v["status"] for v in result["exercises"].values()]
@@ -96,30 +98,30 @@ def progress(recheck: bool) -> int:
     table = progress_table()
     print(format_progress(table))
     if table.attrs["problems"]:
-        print("Fix or `reset` the notebooks named above (`reset` keeps a backup of yours).")
+        print(_("Fix or `reset` the notebooks named above (`reset` keeps a backup of yours)."))
         return 1
     return 0
 
 
-# The commands in --help, by who uses them: the learner's first.
+# The commands in --help, by who uses them: the learner's first. Headings and help are translated when shown (N_).
 GROUPS = {
-    "your work": ["lab", "check", "progress", "workspace", "reset", "restore"],
-    "for instructors": ["grade", "autograder", "html"],
-    "for the course's maintainers": ["build", "translations", "timings"],
+    N_("your work"): ["lab", "check", "progress", "workspace", "reset", "restore"],
+    N_("for instructors"): ["grade", "autograder", "html"],
+    N_("for the course's maintainers"): ["build", "translations", "timings"],
 }
 HELP = {
-    "lab": "open the course in JupyterLab, on lesson 00 (makes your copies in work/ first)",
-    "check": "check your exercises in one lesson (the saved file) and print a scoreboard",
-    "progress": "a table of your progress in every lesson (from your latest checks)",
-    "workspace": "make your own copy of every lesson in work/ that you do not have yet",
-    "reset": "a fresh copy of a lesson in work/ (your current file is backed up first)",
-    "restore": "bring back a backup of a lesson (your current file is backed up first)",
-    "grade": "grade a folder of submitted notebooks: a CSV, summary tables, an HTML page",
-    "autograder": "write a Gradescope autograder for lessons (autograder-NN.zip)",
-    "html": "render the solution notebooks to static HTML for the classroom",
-    "build": "regenerate the course's learner copies in notebooks/ from notebooks/solutions/",
-    "translations": "merge the translation catalogs with the English, or list what is left to translate",
-    "timings": "time every lesson under nbval and the checker; rewrite README's course map",
+    "lab": N_("open the course in JupyterLab, on lesson 00 (makes your copies in work/ first)"),
+    "check": N_("check your exercises in one lesson (the saved file) and print a scoreboard"),
+    "progress": N_("a table of your progress in every lesson (from your latest checks)"),
+    "workspace": N_("make your own copy of every lesson in work/ that you do not have yet"),
+    "reset": N_("a fresh copy of a lesson in work/ (your current file is backed up first)"),
+    "restore": N_("bring back a backup of a lesson (your current file is backed up first)"),
+    "grade": N_("grade a folder of submitted notebooks: a CSV, summary tables, an HTML page"),
+    "autograder": N_("write a Gradescope autograder for lessons (autograder-NN.zip)"),
+    "html": N_("render the solution notebooks to static HTML for the classroom"),
+    "build": N_("regenerate the course's learner copies in notebooks/ from notebooks/solutions/"),
+    "translations": N_("merge the translation catalogs with the English, or list what is left to translate"),
+    "timings": N_("time every lesson under nbval and the checker; rewrite README's course map"),
 }
 
 
@@ -128,84 +130,89 @@ def command_list() -> str:
     width = max(map(len, HELP))
     parts = []
     for group, names in GROUPS.items():
-        parts.append(f"{group}:\n" + "\n".join(f"  {name:{width}}  {HELP[name]}" for name in names))
-    return "\n\n".join(parts) + "\n\n`python -m course_utils COMMAND --help` describes one command."
+        parts.append(f"{_(group)}:\n" + "\n".join(f"  {name:{width}}  {_(HELP[name])}" for name in names))
+    return "\n\n".join(parts) + "\n\n" + _("`python -m course_utils COMMAND --help` describes one command.")
+
+
+def _sentence(text: str) -> str:
+    """A command's help as its description: capitalised, with a full stop ('a table of ...' -> 'A table of ....')."""
+    return _("{sentence}.").format(sentence=text[:1].upper() + text[1:])
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The command line's parser and each command's own (for errors printed with that command's usage)."""
     parser = argparse.ArgumentParser(prog="python -m course_utils", usage="%(prog)s [-h] COMMAND ...",
-                                     description="The course's commands: the learner's first, then the instructor's and the maintainers'.",
+                                     description=_("The course's commands: the learner's first, then the instructor's and the maintainers'."),
                                      epilog=command_list(), formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS)
     commands: dict[str, argparse.ArgumentParser] = {}
 
     def add(name: str, description: str | None = None) -> argparse.ArgumentParser:
-        described = description or HELP[name][0].upper() + HELP[name][1:] + "."
+        described = description or _sentence(_(HELP[name]))
         commands[name] = sub.add_parser(name, prog=f"python -m course_utils {name}", description=described)
         return commands[name]
 
-    p_lab = add("lab", "Open the course in JupyterLab, on lesson 00. Other options are passed on to "
-                       "`jupyter lab` (e.g. --port=8889 --no-browser).")
-    p_lab.add_argument("--lang", choices=["en", "zh"], help="the course's language, kept for later runs: en (English) or zh "
-                                                           "(简体中文): your new copies and the checks' messages")
-    p_check = add("check", "Check your exercises in one lesson and print a scoreboard. It runs the notebook as it is saved: "
-                           "save it first (Ctrl-S in JupyterLab).")
-    p_check.add_argument("lesson", help="lesson number (01), or a notebook path")
-    p_check.add_argument("--solutions", action="store_true", help="check the solution copy instead of yours")
+    p_lab = add("lab", _("Open the course in JupyterLab, on lesson 00. Other options are passed on to "
+                         "`jupyter lab` (e.g. --port=8889 --no-browser)."))
+    p_lab.add_argument("--lang", choices=["en", "zh"], help=_("the course's language, kept for later runs: en (English) or zh "
+                                                             "(简体中文): your new copies and the checks' messages"))
+    p_check = add("check", _("Check your exercises in one lesson and print a scoreboard. It runs the notebook as it is saved: "
+                             "save it first (Ctrl-S in JupyterLab)."))
+    p_check.add_argument("lesson", help=_("lesson number (01), or a notebook path"))
+    p_check.add_argument("--solutions", action="store_true", help=_("check the solution copy instead of yours"))
     p_progress = add("progress")
-    p_progress.add_argument("--recheck", action="store_true", help="run the checker over every lesson first (slow, exact)")
+    p_progress.add_argument("--recheck", action="store_true", help=_("run the checker over every lesson first (slow, exact)"))
     p_workspace = add("workspace")
-    p_workspace.add_argument("--lang", choices=["en", "zh"], help="the language of the copies, kept for later runs (as lab --lang)")
+    p_workspace.add_argument("--lang", choices=["en", "zh"], help=_("the language of the copies, kept for later runs (as lab --lang)"))
     p_reset = add("reset")
-    p_reset.add_argument("lesson", help="lesson number, e.g. 03")
-    p_reset.add_argument("--force", action="store_true", help="go ahead even while a JupyterLab tab has the notebook open")
+    p_reset.add_argument("lesson", help=_("lesson number, e.g. 03"))
+    p_reset.add_argument("--force", action="store_true", help=_("go ahead even while a JupyterLab tab has the notebook open"))
     p_restore = add("restore")
-    p_restore.add_argument("lesson", help="lesson number, e.g. 03")
-    p_restore.add_argument("backup", nargs="?", help="the backup's file name (default: the newest)")
-    p_restore.add_argument("--list", action="store_true", help="list the lesson's backups instead: when, by which command, how many passed")
-    p_restore.add_argument("--force", action="store_true", help="go ahead even while a JupyterLab tab has the notebook open")
-    p_grade = add("grade", "Grade every notebook under DIR with the checker, each in a sandbox of its own "
-                           "(bubblewrap: Debian/Ubuntu package `bubblewrap`): the course is read-only there, and "
-                           "DIR, the other submissions, the gradebook, the network and your environment are absent.")
-    p_grade.add_argument("folder", metavar="DIR", help="the folder of submissions (its *.ipynb files, any names; nothing is written to it)")
-    p_grade.add_argument("--out", metavar="FILE.csv", help="write one row per submission per exercise to this CSV")
-    p_grade.add_argument("--html", metavar="FILE.html", help="write a self-contained page with the summary and a pass-rate chart")
-    p_grade.add_argument("--jobs", type=int, default=None, metavar="N", help="submissions checked at once (default: the number of cores)")
-    p_grade.add_argument("--exercise-timeout", type=float, default=None, metavar="S", help="time limit of one exercise (default: the checker's, 30 s)")
-    p_grade.add_argument("--cell-timeout", type=float, default=None, metavar="S", help="time limit of any other cell (default: the checker's, 600 s)")
-    p_grade.add_argument("--timeout", type=float, default=900, metavar="S", help="time limit of a whole submission (default 900 s)")
-    p_grade.add_argument("--feedback", metavar="DIR2", help="write one HTML page per submission, its scoreboard with each reason, to send back")
+    p_restore.add_argument("lesson", help=_("lesson number, e.g. 03"))
+    p_restore.add_argument("backup", nargs="?", help=_("the backup's file name (default: the newest)"))
+    p_restore.add_argument("--list", action="store_true", help=_("list the lesson's backups instead: when, by which command, how many passed"))
+    p_restore.add_argument("--force", action="store_true", help=_("go ahead even while a JupyterLab tab has the notebook open"))
+    p_grade = add("grade", _("Grade every notebook under DIR with the checker, each in a sandbox of its own "
+                             "(bubblewrap: Debian/Ubuntu package `bubblewrap`): the course is read-only there, and "
+                             "DIR, the other submissions, the gradebook, the network and your environment are absent."))
+    p_grade.add_argument("folder", metavar="DIR", help=_("the folder of submissions (its *.ipynb files, any names; nothing is written to it)"))
+    p_grade.add_argument("--out", metavar="FILE.csv", help=_("write one row per submission per exercise to this CSV"))
+    p_grade.add_argument("--html", metavar="FILE.html", help=_("write a self-contained page with the summary and a pass-rate chart"))
+    p_grade.add_argument("--jobs", type=int, default=None, metavar="N", help=_("submissions checked at once (default: the number of cores)"))
+    p_grade.add_argument("--exercise-timeout", type=float, default=None, metavar="S", help=_("time limit of one exercise (default: the checker's, 30 s)"))
+    p_grade.add_argument("--cell-timeout", type=float, default=None, metavar="S", help=_("time limit of any other cell (default: the checker's, 600 s)"))
+    p_grade.add_argument("--timeout", type=float, default=900, metavar="S", help=_("time limit of a whole submission (default 900 s)"))
+    p_grade.add_argument("--feedback", metavar="DIR2", help=_("write one HTML page per submission, its scoreboard with each reason, to send back"))
     p_grade.add_argument("--retry-errors", action="store_true",
-                         help="grade again only the submissions whose rows in the --out CSV are `error` (the grader failed, not them)")
+                         help=_("grade again only the submissions whose rows in the --out CSV are `error` (the grader failed, not them)"))
     p_grade.add_argument("--no-sandbox", action="store_true",
-                         help="grade without bubblewrap (UNSAFE: a submission can then read and change anything you can); the gradebook records it")
-    p_grade.add_argument("--memory-mb", type=int, default=None, metavar="MB", help="memory limit of each process of a submission")
-    p_grade.add_argument("--max-processes", type=int, default=None, metavar="N", help="process limit of a submission's user")
-    p_grade.add_argument("--max-open-files", type=int, default=None, metavar="N", help="open-file limit of each process")
-    p_grade.add_argument("--max-file-size-mb", type=int, default=None, metavar="MB", help="largest file a submission may write")
-    p_autograder = add("autograder", "Write autograder-NN.zip for each lesson given (`all`: every lesson), to upload to a Gradescope "
-                                     "assignment: it installs the course and grades each upload with its checks (README: Grading on Gradescope).")
-    p_autograder.add_argument("lessons", nargs="+", metavar="NN", help="lesson numbers, or `all`")
-    p_autograder.add_argument("--out", default="build/autograder", help="folder for the zips (default: build/autograder)")
-    p_autograder.add_argument("--points", metavar="FILE", help="an autograder.toml with your points per exercise (one lesson only)")
+                         help=_("grade without bubblewrap (UNSAFE: a submission can then read and change anything you can); the gradebook records it"))
+    p_grade.add_argument("--memory-mb", type=int, default=None, metavar="MB", help=_("memory limit of each process of a submission"))
+    p_grade.add_argument("--max-processes", type=int, default=None, metavar="N", help=_("process limit of a submission's user"))
+    p_grade.add_argument("--max-open-files", type=int, default=None, metavar="N", help=_("open-file limit of each process"))
+    p_grade.add_argument("--max-file-size-mb", type=int, default=None, metavar="MB", help=_("largest file a submission may write"))
+    p_autograder = add("autograder", _("Write autograder-NN.zip for each lesson given (`all`: every lesson), to upload to a Gradescope "
+                                       "assignment: it installs the course and grades each upload with its checks (README: Grading on Gradescope)."))
+    p_autograder.add_argument("lessons", nargs="+", metavar="NN", help=_("lesson numbers, or `all`"))
+    p_autograder.add_argument("--out", default="build/autograder", help=_("folder for the zips (default: build/autograder)"))
+    p_autograder.add_argument("--points", metavar="FILE", help=_("an autograder.toml with your points per exercise (one lesson only)"))
     p_html = add("html")
-    p_html.add_argument("--out", default=None, help="output folder (default: build/html)")
+    p_html.add_argument("--out", default=None, help=_("output folder (default: build/html)"))
     p_build = add("build")
-    p_build.add_argument("lessons", nargs="*", help="lesson numbers (default: all)")
-    p_build.add_argument("--execute", action="store_true", help="re-run each solution notebook first, refreshing its outputs")
+    p_build.add_argument("lessons", nargs="*", help=_("lesson numbers (default: all)"))
+    p_build.add_argument("--execute", action="store_true", help=_("re-run each solution notebook first, refreshing its outputs"))
     p_build.add_argument("--lang", choices=["en", "zh"], default="en",
-                         help="the edition to build: zh writes notebooks/zh-CN/ from the English and notebooks/locale/zh_CN/")
+                         help=_("the edition to build: zh writes notebooks/zh-CN/ from the English and notebooks/locale/zh_CN/"))
     p_translations = add("translations")
     p_translations.add_argument("action", choices=["update", "status"],
-                                help="update: merge the catalogs with the current English (changed text goes fuzzy); "
-                                     "status: list what is untranslated or fuzzy")
+                                help=_("update: merge the catalogs with the current English (changed text goes fuzzy); "
+                                       "status: list what is untranslated or fuzzy"))
     p_time = add("timings")
-    p_time.add_argument("lessons", nargs="*", help="time only these lessons, with the floor, and print the times (README is left alone)")
-    p_time.add_argument("--repeat", type=int, default=3, help="runs per lesson (the median is reported)")
-    p_time.add_argument("--no-write", action="store_true", help="print the table instead of writing README.md")
+    p_time.add_argument("lessons", nargs="*", help=_("time only these lessons, with the floor, and print the times (README is left alone)"))
+    p_time.add_argument("--repeat", type=int, default=3, help=_("runs per lesson (the median is reported)"))
+    p_time.add_argument("--no-write", action="store_true", help=_("print the table instead of writing README.md"))
     p_time.add_argument("--keep-times", action="store_true",
-                        help="measure nothing: refresh topics, exercises, study time and GPU cells, keep README's times")
+                        help=_("measure nothing: refresh topics, exercises, study time and GPU cells, keep README's times"))
     assert set(commands) == set(HELP) == {n for names in GROUPS.values() for n in names}
     return parser, commands
 
@@ -216,8 +223,9 @@ def unknown_command(argv: list[str], names: list[str]) -> str | None:
     if word is None or word in names:
         return None
     close = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]}?" if close else f"the commands are {', '.join(names)}"
-    return f"unknown command {word!r}: {hint}"
+    if close:
+        return _("unknown command {word!r}: did you mean {command}?").format(word=word, command=close[0])
+    return _("unknown command {word!r}: the commands are {commands}").format(word=word, commands=", ".join(names))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,25 +237,31 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     command = commands[args.command]
     if rest and args.command != "lab":  # only `lab` passes options on (to jupyter lab)
-        command.error(f"unrecognized arguments: {' '.join(rest)}")
+        command.error(_("unrecognized arguments: {arguments}").format(arguments=" ".join(rest)))
     if args.command == "restore" and args.list and args.backup:
-        command.error(f"--list lists every backup of lesson {args.lesson}: give it no backup name ({args.backup!r})")
+        command.error(_("--list lists every backup of lesson {lesson}: give it no backup name ({backup!r})").format(
+            lesson=args.lesson, backup=args.backup))
     args.jupyter_args = rest
     try:
         return _run(args)
     except CourseError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(_("error: {message}").format(message=err), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: the checker and its kernels were stopped; your notebooks are as they were", file=sys.stderr)
+        print(_("interrupted: the checker and its kernels were stopped; your notebooks are as they were"), file=sys.stderr)
         return 130
     except ModuleNotFoundError as err:  # e.g. a bare `python` in a terminal that is not the course's
-        print(f"error: this Python ({sys.executable}) has no {err.name}, which the course needs: "
-              "run `.venv/bin/python -m course_utils ...` from the course folder (`make lab` creates .venv)", file=sys.stderr)
+        print(_("error: this Python ({python}) has no {module}, which the course needs: "
+                "run `.venv/bin/python -m course_utils ...` from the course folder (`make lab` creates .venv)").format(
+                    python=sys.executable, module=err.name), file=sys.stderr)
         return 1
     except OSError as err:
-        where = f"{err.filename}: " if err.filename else ""
-        print(f"error: {where}{err.strerror or err} (is the folder writable, and is there disk space?)", file=sys.stderr)
+        if err.filename:
+            message = _("error: {file}: {problem} (is the folder writable, and is there disk space?)").format(
+                file=err.filename, problem=err.strerror or err)
+        else:
+            message = _("error: {problem} (is the folder writable, and is there disk space?)").format(problem=err.strerror or err)
+        print(message, file=sys.stderr)
         return 1
 
 
@@ -273,7 +287,10 @@ def _run(args: argparse.Namespace) -> int:
 
             remember(args.lang)
         made = ensure_workspace()
-        print(f"made {len(made)} notebooks in {shown(work_dir())}" if made else f"{shown(work_dir())} has every lesson")
+        if made:
+            print(_("made {n} notebooks in {folder}").format(n=len(made), folder=shown(work_dir())))
+        else:
+            print(_("{folder} has every lesson").format(folder=shown(work_dir())))
         return 0
     if args.command == "reset":
         from course_utils.tooling.opentabs import TabGuard
@@ -281,7 +298,10 @@ def _run(args: argparse.Namespace) -> int:
 
         guard = TabGuard(f"reset {lesson_number(args.lesson)}", force=args.force)
         target, saved = reset(args.lesson, guard=guard)
-        print(f"{shown(target)} is a fresh copy" + (f"; your previous file is kept as {shown(saved)}" if saved else " (it was already fresh)"))
+        if saved:
+            print(_("{notebook} is a fresh copy; your previous file is kept as {backup}").format(notebook=shown(target), backup=shown(saved)))
+        else:
+            print(_("{notebook} is a fresh copy (it was already fresh)").format(notebook=shown(target)))
         if guard.advice:
             print(guard.advice)
         return 0
@@ -294,7 +314,11 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         guard = TabGuard(f"restore {lesson_number(args.lesson)}", force=args.force)
         target, used, saved = restore(args.lesson, args.backup, guard=guard)
-        print(f"{shown(target)} is now {used.name}" + (f"; the file it replaced is kept as {shown(saved)}" if saved else ""))
+        if saved:
+            print(_("{notebook} is now {backup}; the file it replaced is kept as {kept}").format(
+                notebook=shown(target), backup=used.name, kept=shown(saved)))
+        else:
+            print(_("{notebook} is now {backup}").format(notebook=shown(target), backup=used.name))
         if guard.advice:
             print(guard.advice)
         return 0
@@ -318,23 +342,23 @@ def _run(args: argparse.Namespace) -> int:
         sources = [source_for(lesson) for lesson in args.lessons] or None
         made = build(sources, run=args.execute) if args.lang == "en" else build_edition(args.lang, sources, run=args.execute)
         for path in made:
-            print(f"wrote {shown(path)}")
+            print(_("wrote {path}").format(path=shown(path)))
         return 0
     if args.command == "translations":
         from course_utils.tooling.translations import status, update_all
 
         if args.action == "update":
             for path in update_all():
-                print(f"updated {shown(path)}")
+                print(_("updated {path}").format(path=shown(path)))
             return 0
         left = status()
-        print("\n".join(left) if left else "every unit of every lesson and every message has a current translation")
+        print("\n".join(left) if left else _("every unit of every lesson and every message has a current translation"))
         return 1 if left else 0
     if args.command == "html":
         from course_utils.tooling.classroom import build_html  # nbconvert: slow to import, so only here
 
         pages = build_html(args.out)
-        print(f"wrote {len(pages) - 1} lesson pages and {pages[0]}")
+        print(_("wrote {n} lesson pages and {index}").format(n=len(pages) - 1, index=pages[0]))
         return 0
     if args.command == "timings":
         from course_utils.tooling.timings import course_map, measure, refreshed_map, write_readme
@@ -347,7 +371,7 @@ def _run(args: argparse.Namespace) -> int:
             print(table)
         else:
             write_readme(table)
-            print("README.md course map updated")
+            print(_("README.md course map updated"))
         return 0
     raise AssertionError(args.command)
 

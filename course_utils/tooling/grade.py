@@ -42,14 +42,15 @@ from pathlib import Path
 
 from course_utils.tooling import sandbox
 from course_utils.tooling.gradebook import COLUMNS, STATUSES, format_summary, html_report, write_atomic, write_feedback  # noqa: F401
-from course_utils.tooling.layout import CourseError, exercises, lesson_of, read_notebook_json, root, shown, source_for
+from course_utils.tooling.language import N_, _
+from course_utils.tooling.layout import CourseError, NotebookUnreadable, exercises, lesson_of, read_notebook_json, root, source_for
 from course_utils.tooling.runner import become_subreaper, guarded, kill_descendants, not_dumpable, read_all
 
 SUBMISSION_TIMEOUT = 900  # seconds for a whole submission, on top of the checker's limits per cell
 KERNEL_START = 60  # nbval's default limit for a kernel to start; a retry doubles it
 CHECK_CALL = re.compile(r"\blesson(\d\d)\.check_\w+\(")
-NO_SANDBOX_WARNING = ("warning: grading WITHOUT a sandbox (--no-sandbox): each submission runs with your user's rights and can "
-                      "read, change or kill anything you can, other students' grades included; the gradebook records this")
+NO_SANDBOX_WARNING = N_("warning: grading WITHOUT a sandbox (--no-sandbox): each submission runs with your user's rights and can "
+                        "read, change or kill anything you can, other students' grades included; the gradebook records this")
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,10 @@ def ignored_line(folder: Path, shown_at_most: int = 10) -> str | None:
     ignored = [p.relative_to(folder).as_posix() for p in ignored_files(folder)]
     if not ignored:
         return None
-    more = f" and {len(ignored) - shown_at_most} more" if len(ignored) > shown_at_most else ""
-    return f"ignored (not notebooks, *.ipynb): {', '.join(ignored[:shown_at_most])}{more}"
+    files = ", ".join(ignored[:shown_at_most])
+    if len(ignored) > shown_at_most:
+        return _("ignored (not notebooks, *.ipynb): {files} and {n} more").format(files=files, n=len(ignored) - shown_at_most)
+    return _("ignored (not notebooks, *.ipynb): {files}").format(files=files)
 
 
 def submission_lesson(nb: dict) -> str | None:
@@ -105,7 +108,7 @@ def submission_lesson(nb: dict) -> str | None:
         for cell in nb["cells"] if isinstance(cell, dict) and cell.get("cell_type") == "code"
         for number in CHECK_CALL.findall("".join(cell.get("source", "")) if isinstance(cell.get("source"), list) else str(cell.get("source", "")))
     )
-    for number, _ in calls.most_common():
+    for number, _count in calls.most_common():
         try:
             source_for(number)
         except CourseError:
@@ -132,7 +135,7 @@ def _status(verdict: dict) -> tuple[str, str]:
     if status == "failed" and reason.startswith("check cell missing"):
         return "missing", reason
     if status == "not run" and reason == "the check cell did not run":
-        return "failed", "its check cell did not run"
+        return "failed", _("its check cell did not run")
     return "failed", reason  # failed, or not run after an earlier cell failed, hung or killed the kernel
 
 
@@ -144,7 +147,7 @@ def rows_from_report(name: str, lesson: str, result: dict, seconds: float) -> li
         status, reason = _status(verdict)
         rows.append(_row(name, lesson, exercise, status, reason, times.get(exercise, 0.0)))
     if not rows:
-        rows.append(_row(name, lesson, "", "unreadable", "the checker found no exercises in it", seconds))
+        rows.append(_row(name, lesson, "", "unreadable", _("the checker found no exercises in it"), seconds))
     return rows
 
 
@@ -160,7 +163,7 @@ def failed_rows(name: str, lesson: str, reason: str) -> list[dict]:
 
 def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"
+    return lines[-1] if lines else _("no output")
 
 
 def _flags(nb: dict) -> list[str]:
@@ -193,7 +196,7 @@ class Grader:
             return [_row(name, "", "", "unreadable", _unreadable_reason(err, path), time.perf_counter() - start)]
         lesson = submission_lesson(nb)
         if lesson is None:
-            return [_row(name, "", "", "unreadable", "not a notebook of this course: no lesson's exercises in it", time.perf_counter() - start)]
+            return [_row(name, "", "", "unreadable", _("not a notebook of this course: no lesson's exercises in it"), time.perf_counter() - start)]
         review = _flags(nb)
         outcome = self._attempt(path, lesson, self.settings)
         if "machinery" in outcome and not self.stopping:  # the grader's fault: once more, with more time to start
@@ -206,7 +209,8 @@ class Grader:
         elif "unreadable" in outcome:
             rows = [_row(name, lesson, "", "unreadable", outcome["unreadable"], seconds)]
         elif "machinery" in outcome:
-            rows = lesson_rows(name, lesson, "error", f"the grader failed, not the submission: {outcome['machinery']}; grade this submission again")
+            rows = lesson_rows(name, lesson, "error", _("the grader failed, not the submission: {problem}; grade this submission again").format(
+                problem=outcome["machinery"]))
         else:
             rows = failed_rows(name, lesson, outcome["failed"])
         return [{**row, "review": "; ".join(review)} for row in rows]
@@ -229,13 +233,13 @@ class Grader:
             with self._lock:
                 if self.stopping:
                     err.close()
-                    return {"failed": "grading was interrupted"}
+                    return {"failed": _("grading was interrupted")}
                 proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=err, stderr=err, text=True,
                                         env=env, cwd=workdir, pass_fds=(write_end,))
                 self._running.add(proc)
         except (OSError, RuntimeError) as failure:  # the sandbox could not be set up, or the process not started
             err.close()
-            return {"machinery": f"the grading process could not be started: {failure}"}
+            return {"machinery": _("the grading process could not be started: {failure}").format(failure=failure)}
         finally:
             os.close(write_end)  # the child holds its own copy; the reader sees EOF once the child is gone
         with err:
@@ -244,7 +248,7 @@ class Grader:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-                return {"failed": f"the checker did not finish within {settings.timeout:g} s"}
+                return {"failed": _("the checker did not finish within {seconds:g} s").format(seconds=settings.timeout)}
             finally:
                 with self._lock:
                     self._running.discard(proc)
@@ -252,12 +256,15 @@ class Grader:
             err.seek(0)
             stderr = err.read()
         if self.stopping:
-            return {"failed": "grading was interrupted"}
+            return {"failed": _("grading was interrupted")}
         try:
             return json.loads(reader.text)
         except json.JSONDecodeError:
-            where = "the sandbox did not start or" if settings.sandboxed else "the grading process"
-            return {"machinery": f"{where} crashed (exit {proc.returncode}): {_last_line(stderr)}"}
+            if settings.sandboxed:
+                crashed = _("the sandbox did not start or crashed (exit {code}): {output}")
+            else:
+                crashed = _("the grading process crashed (exit {code}): {output}")
+            return {"machinery": crashed.format(code=proc.returncode, output=_last_line(stderr))}
 
     @staticmethod
     def _command(child: list[str], workdir: Path, settings: Settings, result_fd: int) -> tuple[list[str], dict | None]:
@@ -293,15 +300,13 @@ def _child_options(settings: Settings) -> list[str]:
 
 def _unreadable_reason(err: CourseError, path: Path) -> str:
     """What is wrong with the file, without its name (the row names the submission already)."""
-    message = str(err)
-    if "JSON breaks off" in message:
-        with open(path, "rb") as f:
-            if not f.read(4096).lstrip().startswith(b"{"):
-                return "the file is not a notebook (it is not JSON)"
-    for shown_as in (shown(path), str(path), path.name):
-        if message.startswith(shown_as + " "):
-            return "the file " + message[len(shown_as) + 1:]
-    return message
+    if isinstance(err, NotebookUnreadable):
+        if err.kind == "truncated":
+            with open(path, "rb") as f:
+                if not f.read(4096).lstrip().startswith(b"{"):
+                    return _("the file is not a notebook (it is not JSON)")
+        return err.problem
+    return str(err)
 
 
 def _keep_private(fd: int) -> None:
@@ -318,14 +323,15 @@ def _check_one(args) -> dict:
         results = run_checker([args.notebook], exercise_timeout=args.exercise_timeout, cell_timeout=args.cell_timeout,
                               timeout=args.timeout, kernel_start_timeout=args.kernel_start_timeout)
     except CheckerKilled as err:  # only the submission's own processes share its sandbox
-        return {"failed": f"{err}: the notebook's code stopped the checker", "review": ["the checker was killed from inside the submission"]}
+        return {"failed": _("{error}: the notebook's code stopped the checker").format(error=err),
+                "review": ["the checker was killed from inside the submission"]}
     except TimeoutError as err:
         return {"failed": str(err)}
     except CourseError as err:  # the checker did not run: nbval could not read the notebook
-        return {"unreadable": f"the checker could not read it: {_last_line(str(err))}"}
+        return {"unreadable": _("the checker could not read it: {error}").format(error=_last_line(str(err)))}
     result = next(iter(results.values()), None)
     if not result:
-        return {"unreadable": "the checker could not collect it as a notebook"}
+        return {"unreadable": _("the checker could not collect it as a notebook")}
     if result.get("error"):
         return {"machinery": result["error"], "review": result.get("review", [])}
     return {"result": result, "review": result.get("review", [])}
@@ -354,7 +360,7 @@ def _child(argv: list[str]) -> int:
     try:
         outcome = _check_one(args)
     except Exception as err:  # noqa: BLE001 - the grader reports its own crash as an error, never as the student's
-        outcome = {"machinery": f"the grading process failed: {type(err).__name__}: {err}"}
+        outcome = {"machinery": _("the grading process failed: {error}: {message}").format(error=type(err).__name__, message=err)}
     with os.fdopen(args.result_fd, "w") as result:
         result.write(json.dumps(outcome))
     return 0
@@ -380,8 +386,12 @@ class ProgressBar:
         elapsed = time.perf_counter() - self.start
         filled = self.width * self.done // max(self.total, 1)
         left = elapsed / self.done * (self.total - self.done) if self.done else None
-        eta = "done" if self.done == self.total else (f"about {_clock(left)} left" if left is not None else "estimating time left")
-        return f"grading [{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} submissions, {_clock(elapsed)} elapsed, {eta}"
+        if self.done == self.total:
+            eta = _("done")
+        else:
+            eta = _("about {time} left").format(time=_clock(left)) if left is not None else _("estimating time left")
+        return _("grading [{bar}] {done}/{total} submissions, {elapsed} elapsed, {eta}").format(
+            bar="#" * filled + "." * (self.width - filled), done=self.done, total=self.total, elapsed=_clock(elapsed), eta=eta)
 
     def step(self, note: str = "") -> None:
         self.done += 1
@@ -418,7 +428,8 @@ def grade_folder(folder: Path, *, jobs: int | None = None, settings: Settings = 
             rows[path] = future.result()
             if bar:
                 passed = sum(r["status"] == "pass" for r in rows[path])
-                bar.step(f"{path.relative_to(folder).as_posix()}: {passed}/{len([r for r in rows[path] if r['exercise']])} passed")
+                bar.step(_("{submission}: {passed}/{total} passed").format(
+                    submission=path.relative_to(folder).as_posix(), passed=passed, total=len([r for r in rows[path] if r["exercise"]])))
     except BaseException:
         grader.stop()
         raise
@@ -436,16 +447,17 @@ def _writable_target(target: str, what: str) -> None:
     """Refuse now, before any grading, a place the gradebook could not be written to (by trying: root passes os.access)."""
     path = Path(target)
     if path.is_dir() and what != "--feedback":
-        raise CourseError(f"{what} {target} is a folder: give a file name")
+        raise CourseError(_("{option} {target} is a folder: give a file name").format(option=what, target=target))
     if path.exists() and not path.is_dir() and what == "--feedback":
-        raise CourseError(f"{what} {target} is a file: give a folder")
+        raise CourseError(_("{option} {target} is a file: give a folder").format(option=what, target=target))
     parent = path if what == "--feedback" else path.parent
     existing = next(p for p in [parent, *parent.parents] if p.exists())
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as err:
-        raise CourseError(f"cannot write {what} {target}: {existing} is not a writable folder ({err.strerror})") from None
+        raise CourseError(_("cannot write {option} {target}: {folder} is not a writable folder ({error})").format(
+            option=what, target=target, folder=existing, error=err.strerror)) from None
 
 
 def validate(folder: str, *, out: str | None, html_out: str | None, feedback: str | None, jobs: int | None,
@@ -454,29 +466,30 @@ def validate(folder: str, *, out: str | None, html_out: str | None, feedback: st
     """Every argument of `grade`, checked before any grading starts (an hour of grading must not end in a bad path)."""
     folder_path = Path(folder)
     if not folder_path.is_dir():
-        raise CourseError(f"{folder} is not a folder of submissions")
+        raise CourseError(_("{folder} is not a folder of submissions").format(folder=folder))
     if not find_submissions(folder_path):
-        raise CourseError(f"{folder} holds no notebooks (*.ipynb) to grade")
+        raise CourseError(_("{folder} holds no notebooks (*.ipynb) to grade").format(folder=folder))
     for name, value in (("--timeout", timeout), ("--exercise-timeout", exercise_timeout), ("--cell-timeout", cell_timeout)):
         if value is not None and not value > 0:
-            raise CourseError(f"{name} must be a number of seconds above 0, not {value:g}")
+            raise CourseError(_("{option} must be a number of seconds above 0, not {value:g}").format(option=name, value=value))
     if jobs is not None and jobs < 1:
-        raise CourseError(f"--jobs must be 1 or more, not {jobs}")
+        raise CourseError(_("{option} must be 1 or more, not {value}").format(option="--jobs", value=jobs))
     for name in ("memory_mb", "processes", "open_files", "file_size_mb"):
         if getattr(limits, name) < 1:
-            raise CourseError(f"--{name.replace('_', '-')} must be 1 or more, not {getattr(limits, name)}")
+            raise CourseError(_("{option} must be 1 or more, not {value}").format(option="--" + name.replace("_", "-"), value=getattr(limits, name)))
     for target, what in ((out, "--out"), (html_out, "--html"), (feedback, "--feedback")):
         if target and _inside(Path(target), folder_path):
-            raise CourseError(f"write {what} {target} outside {folder}: grading writes nothing into the submissions' folder")
+            raise CourseError(_("write {option} {target} outside {folder}: grading writes nothing into the submissions' folder").format(
+                option=what, target=target, folder=folder))
         if target:
             _writable_target(target, what)
     if retry_errors and not (out and Path(out).is_file()):
-        raise CourseError("--retry-errors regrades the `error` rows of an earlier gradebook: give that CSV with --out")
+        raise CourseError(_("--retry-errors regrades the `error` rows of an earlier gradebook: give that CSV with --out"))
     if sandboxed and not sandbox.bwrap_path():
-        raise CourseError("grading needs bubblewrap (bwrap) to keep each submission in a sandbox: "
-                          "install it (Debian/Ubuntu: `sudo apt-get install bubblewrap`), or grade with --no-sandbox (unsafe)")
+        raise CourseError(_("grading needs bubblewrap (bwrap) to keep each submission in a sandbox: "
+                            "install it (Debian/Ubuntu: `sudo apt-get install bubblewrap`), or grade with --no-sandbox (unsafe)"))
     if sandboxed and (why := sandbox.problem()):
-        raise CourseError(f"{why}; or grade with --no-sandbox (unsafe)")
+        raise CourseError(_("{problem}; or grade with --no-sandbox (unsafe)").format(problem=why))
 
 
 def _merge_retried(previous, regraded):
@@ -495,7 +508,8 @@ def _read_gradebook(path: str):
     table = pd.read_csv(path, dtype=str, keep_default_na=False)
     missing = [c for c in COLUMNS if c not in table.columns]
     if missing:
-        raise CourseError(f"{path} is not a gradebook of this course: it lacks the column(s) {', '.join(missing)}")
+        raise CourseError(_("{path} is not a gradebook of this course: it lacks the column(s) {columns}").format(
+            path=path, columns=", ".join(missing)))
     table["seconds"] = pd.to_numeric(table["seconds"], errors="coerce")
     return table
 
@@ -508,7 +522,7 @@ def main(folder: str, out: str | None = None, html_out: str | None = None, jobs:
     validate(folder, out=out, html_out=html_out, feedback=feedback, jobs=jobs, exercise_timeout=exercise_timeout,
              cell_timeout=cell_timeout, timeout=timeout, retry_errors=retry_errors, sandboxed=sandboxed, limits=limits)
     if not sandboxed:
-        print(NO_SANDBOX_WARNING, file=sys.stderr)
+        print(_(NO_SANDBOX_WARNING), file=sys.stderr)
     folder_path = Path(folder)
     ignored = ignored_line(folder_path)
     if ignored:
@@ -519,7 +533,7 @@ def main(folder: str, out: str | None = None, html_out: str | None = None, jobs:
     previous = _read_gradebook(out) if retry_errors else None
     only = set(previous.loc[previous["status"] == "error", "submission"]) if retry_errors else None
     if only is not None and not only:
-        print(f"{out} has no `error` rows: nothing to grade again")
+        print(_("{out} has no `error` rows: nothing to grade again").format(out=out))
         table = previous
     else:
         table = grade_folder(folder_path, jobs=jobs, settings=settings, only=only)
@@ -529,13 +543,13 @@ def main(folder: str, out: str | None = None, html_out: str | None = None, jobs:
     print(format_summary(table, folder=str(folder)))
     if out:
         write_atomic(Path(out), table.to_csv(index=False))
-        print(f"\nwrote {out} ({len(table)} rows)")
+        print("\n" + _("wrote {path} ({n} rows)").format(path=out, n=len(table)))
     if html_out:
-        write_atomic(Path(html_out), html_report(table, f"Gradebook: {folder_path.resolve().name}", folder=str(folder)))
-        print(f"wrote {html_out}")
+        write_atomic(Path(html_out), html_report(table, _("Gradebook: {folder}").format(folder=folder_path.resolve().name), folder=str(folder)))
+        print(_("wrote {path}").format(path=html_out))
     if feedback:
         pages = write_feedback(table, Path(feedback))
-        print(f"wrote {len(pages)} feedback pages to {feedback}")
+        print(_("wrote {n} feedback pages to {folder}").format(n=len(pages), folder=feedback))
     return 0
 
 

@@ -24,6 +24,7 @@ import unicodedata
 from collections import Counter
 from pathlib import Path
 
+from course_utils.tooling.language import N_, _, current as current_language
 from course_utils.tooling.layout import write_atomic  # noqa: F401 (the CSV and the page are written with it)
 from course_utils.tooling.verdicts import Verdict, verdict_html
 
@@ -31,9 +32,18 @@ COLUMNS = ["submission", "lesson", "exercise", "status", "reason", "seconds", "r
 STATUSES = ["pass", "not attempted", "failed", "missing", "unreadable", "error"]
 FAILURES = ("failed", "missing")
 ERROR = "error"
-RETRY = "grader error: grade again with --retry-errors"
+RETRY = N_("grader error: grade again with --retry-errors")  # translated in _note
 REVIEW_MARK = "⚑"
 TEXT_COLUMNS = ("submission", "lesson", "exercise", "status", "reason", "review", "sandbox")
+# The column titles of the summaries, the matrix and the page's tables, translated when shown (headed); the CSV keeps COLUMNS.
+HEADINGS = {
+    "submission": N_("submission"), "lesson": N_("lesson"), "exercise": N_("exercise"), "status": N_("status"),
+    "reason": N_("reason"), "seconds": N_("seconds"), "review": N_("review"), "sandbox": N_("sandbox"),
+    "passed": N_("passed"), "total": N_("total"), "errors": N_("errors"), "score": N_("score"), "note": N_("note"),
+    "submissions": N_("submissions"), "pass": N_("pass"), "not attempted": N_("not attempted"), "failed": N_("failed"),
+    "missing": N_("missing"), ERROR: N_("error"), "pass rate": N_("pass rate"), "most common failure": N_("most common failure"),
+    "student": N_("student"),
+}
 
 
 # ---------------------------------------------------------------- the table as every view reads it
@@ -48,6 +58,12 @@ def _printable(text: str) -> str:
     except UnicodeEncodeError:  # a surrogate that is no escaped byte
         raw = text.encode("utf-8", "surrogatepass")
     return raw.decode("utf-8", "backslashreplace")
+
+
+def headed(frame):
+    """A table to show, its column titles (and its index's name) in the course's language; the values are left as they are."""
+    shown = frame.rename(columns={c: _(HEADINGS[c]) for c in frame.columns if c in HEADINGS})
+    return shown.rename_axis(index=_(HEADINGS[frame.index.name])) if frame.index.name in HEADINGS else shown
 
 
 def _prepared(table):
@@ -77,7 +93,7 @@ def _score(passed: int, total: int, errors: int) -> str:
 def _note(rows) -> str:
     """What the instructor must do or know about a submission beyond its score."""
     if (rows["status"] == ERROR).any():
-        return RETRY
+        return _(RETRY)
     return _first(rows.loc[rows["status"] == "unreadable", "reason"])
 
 
@@ -152,17 +168,19 @@ def retry_command(folder: str) -> str:
 
 def sandbox_warning(counts: dict[str, int]) -> str:
     """The warning for submissions graded with --no-sandbox."""
-    return (f"WARNING: {counts['unsandboxed']} of {counts['submissions']} submissions were graded WITHOUT the sandbox "
-            "(--no-sandbox): their code ran with your permissions and could have changed anything you can, these grades included")
+    return _("WARNING: {unsandboxed} of {submissions} submissions were graded WITHOUT the sandbox "
+             "(--no-sandbox): their code ran with your permissions and could have changed anything you can, these grades included").format(
+        unsandboxed=counts["unsandboxed"], submissions=counts["submissions"])
 
 
 def headline(table, folder: str = "DIR") -> list[str]:
     """The counts an instructor reads first, as lines of text; a warning first when the sandbox was off."""
     counts = class_counts(table)
     lines = [sandbox_warning(counts)] if counts["unsandboxed"] else []
-    lines.append(f"{counts['submissions']} submissions: {counts['review']} need review, {counts['errors']} had a grader error")
+    lines.append(_("{submissions} submissions: {review} need review, {errors} had a grader error").format(
+        submissions=counts["submissions"], review=counts["review"], errors=counts["errors"]))
     if counts["errors"]:
-        lines.append(f"Grader errors are not the students' fault; grade those again: {retry_command(folder)}")
+        lines.append(_("Grader errors are not the students' fault; grade those again: {command}").format(command=retry_command(folder)))
     return lines
 
 
@@ -247,17 +265,21 @@ def format_summary(table, folder: str = "DIR") -> str:
     """The headline, the students × lessons matrix (for a folder per student) and both summary tables, as text."""
     import pandas as pd
 
-    with pd.option_context("display.width", 250, "display.max_rows", None, "display.max_columns", None):
+    # Chinese column titles are two columns wide in a terminal: pandas pads them by their width, not their length, when told
+    with pd.option_context("display.width", 250, "display.max_rows", None, "display.max_columns", None,
+                           "display.unicode.east_asian_width", current_language() == "zh"):
         per_exercise = exercise_summary(table)
         parts = [*headline(table, folder), ""]
         if by_student(table):
-            parts += [f"Per student and lesson (passed/total, {REVIEW_MARK}: needs review):", text_table(student_matrix(table)), ""]
+            parts += [_("Per student and lesson (passed/total, {mark}: needs review):").format(mark=REVIEW_MARK),
+                      text_table(headed(student_matrix(table))), ""]
         return "\n".join(parts + [
-            "Per submission:",
-            text_table(submission_summary(table)),
+            _("Per submission:"),
+            text_table(headed(submission_summary(table))),
             "",
-            "Per exercise (pass rate in % of the submissions judged):",
-            text_table(per_exercise, index=False) if len(per_exercise) else "(no submission could be graded)",
+            # "%" is a placeholder's value: a literal % in a message would read as a %-format to the catalog's tools
+            _("Per exercise (pass rate in {percent_sign} of the submissions judged):").format(percent_sign="%"),
+            text_table(headed(per_exercise), index=False) if len(per_exercise) else _("(no submission could be graded)"),
         ])
 
 
@@ -321,8 +343,8 @@ def _matrix_html(table) -> str:
     matrix = student_matrix(table).reset_index()
     classes = matrix.map(_matrix_class)
     classes["student"] = ""  # a folder named 'terror' is no grader error
-    return (f"<h2>Per student and lesson</h2>\n<p>passed/total; {REVIEW_MARK}: needs review.</p>\n"
-            + html_table(matrix, cell_classes=classes))
+    return (f"<h2>{_('Per student and lesson')}</h2>\n<p>{_('passed/total; {mark}: needs review.').format(mark=REVIEW_MARK)}</p>\n"
+            + html_table(headed(matrix), cell_classes=classes))
 
 
 def _headline_html(table, folder: str) -> str:
@@ -330,12 +352,14 @@ def _headline_html(table, folder: str) -> str:
     counts = class_counts(table)
     banner = f'<div class="banner">{html.escape(sandbox_warning(counts))}</div>\n' if counts["unsandboxed"] else ""
     def count(key: str, words: str) -> str:  # highlighted only when there is something to look at
-        text = f"{counts[key]} {words}"
+        text = words.format(n=counts[key])
         return f'<span class="{key.rstrip("s")}">{text}</span>' if counts[key] else text
 
-    text = f"<b>{counts['submissions']} submissions</b>: {count('review', 'need review')}, {count('errors', 'had a grader error')}."
+    text = _("<b>{submissions} submissions</b>: {review}, {errors}.").format(
+        submissions=counts["submissions"], review=count("review", _("{n} need review")), errors=count("errors", _("{n} had a grader error")))
     if counts["errors"]:
-        text += f" Grader errors are not the students' fault; grade those again: <code>{html.escape(retry_command(folder))}</code>"
+        text += " " + _("Grader errors are not the students' fault; grade those again: {command}").format(
+            command=f"<code>{html.escape(retry_command(folder))}</code>")
     return f'{banner}<p class="headline">{text}</p>'
 
 
@@ -344,18 +368,31 @@ def html_report(table, title: str, folder: str = "DIR") -> str:
     table = _prepared(table)
     per_exercise = exercise_summary(table)
     charted = per_exercise.dropna(subset=["pass rate"])
-    chart = f'<img alt="pass rate per exercise" src="data:image/png;base64,{pass_rate_chart(charted)}">' if len(charted) else ""
+    alt = html.escape(_("pass rate per exercise"), quote=True)
+    chart = f'<img alt="{alt}" src="data:image/png;base64,{pass_rate_chart(charted)}">' if len(charted) else ""
     per_submission = submission_summary(table).reset_index()
     return _PAGE.format(
+        lang=_html_lang(),
         title=html.escape(title),
-        when=time.strftime("%Y-%m-%d %H:%M"),
         headline=_headline_html(table, folder),
+        graded=_("Graded {when} by {command}. Rows in yellow need an instructor's look (the review\n"
+                 "column names why); rows in pink were not judged because the grader itself failed.").format(
+            when=time.strftime("%Y-%m-%d %H:%M"), command="<code>python -m course_utils grade</code>"),
         matrix=_matrix_html(table),
+        per_exercise_heading=_("Per exercise"),
         chart=chart,
-        per_exercise=html_table(per_exercise),
-        per_submission=html_table(per_submission, [_row_class(r, e > 0) for r, e in zip(per_submission["review"], per_submission["errors"])]),
-        rows=html_table(table, [_row_class(r, s == ERROR) for r, s in zip(table["review"], table["status"])]),
+        per_exercise=html_table(headed(per_exercise)),
+        per_submission_heading=_("Per submission"),
+        per_submission=html_table(headed(per_submission),
+                                  [_row_class(r, e > 0) for r, e in zip(per_submission["review"], per_submission["errors"])]),
+        rows_heading=_("Every exercise of every submission"),
+        rows=html_table(headed(table), [_row_class(r, s == ERROR) for r, s in zip(table["review"], table["status"])]),
     )
+
+
+def _html_lang() -> str:
+    """The language of a page, as its <html lang> says it: 'en', or 'zh-CN' for the Chinese edition."""
+    return {"zh": "zh-CN"}.get(current_language(), "en")
 
 
 _STYLE = """body {{ font: 15px system-ui, sans-serif; max-width: 72em; margin: 2em auto; padding: 0 1em; }}
@@ -368,21 +405,20 @@ img {{ max-width: 100%; }}
 """
 
 _PAGE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<html lang="{lang}"><head><meta charset="utf-8"><title>{title}</title>
 <style>
 """ + _STYLE + """</style></head>
 <body>
 <h1>{title}</h1>
 {headline}
-<p>Graded {when} by <code>python -m course_utils grade</code>. Rows in yellow need an instructor's look (the review
-column names why); rows in pink were not judged because the grader itself failed.</p>
+<p>{graded}</p>
 {matrix}
-<h2>Per exercise</h2>
+<h2>{per_exercise_heading}</h2>
 {chart}
 {per_exercise}
-<h2>Per submission</h2>
+<h2>{per_submission_heading}</h2>
 {per_submission}
-<h2>Every exercise of every submission</h2>
+<h2>{rows_heading}</h2>
 {rows}
 </body></html>
 """
@@ -390,7 +426,7 @@ column names why); rows in pink were not judged because the grader itself failed
 
 # ---------------------------------------------------------------- a feedback page per submission
 
-NOT_GRADED = "not graded yet: the grader failed on our side, not because of your code; it will be graded again"
+NOT_GRADED = N_("not graded yet: the grader failed on our side, not because of your code; it will be graded again")  # translated where shown
 _VERDICT = {"pass": "passed", "not attempted": "not attempted", "failed": "failed", "missing": "failed", ERROR: "not run"}
 
 
@@ -405,7 +441,7 @@ def feedback_name(submission: str) -> str:
 def _verdict(row) -> Verdict:
     """A row as the verdict the student saw in the notebook; the grader's own error is said as ours, with none of its details."""
     status = row["status"]
-    reason = NOT_GRADED if status == ERROR else ("" if status == "pass" else row["reason"])
+    reason = _(NOT_GRADED) if status == ERROR else ("" if status == "pass" else row["reason"])
     return Verdict(row["exercise"], _VERDICT[status], reason)
 
 
@@ -414,12 +450,14 @@ def _feedback_score(rows) -> str:
     graded = rows[rows["exercise"] != ""]
     errors = int((rows["status"] == ERROR).sum())
     if errors and errors >= len(graded):
-        return NOT_GRADED + "."
+        return _("{sentence}.").format(sentence=_(NOT_GRADED))
     if not len(graded):
-        return "your file could not be graded: " + _first(rows["reason"]) + "."
+        return _("your file could not be graded: {reason}.").format(reason=_first(rows["reason"]))
     passed = int((graded["status"] == "pass").sum())
-    text = f"{passed} of {len(graded)} exercises passed."
-    return text + (f" {errors} of them could not be graded yet, because of a problem on our side; they will be graded again." if errors else "")
+    if errors:
+        return _("{passed} of {total} exercises passed. {errors} of them could not be graded yet, because of a problem on our side; "
+                 "they will be graded again.").format(passed=passed, total=len(graded), errors=errors)
+    return _("{passed} of {total} exercises passed.").format(passed=passed, total=len(graded))
 
 
 def feedback_page(table, submission: str) -> str:
@@ -427,12 +465,15 @@ def feedback_page(table, submission: str) -> str:
     table = _prepared(table)
     rows = table[table["submission"] == submission]
     lesson = rows["lesson"].iloc[0]
-    verdicts = "".join(verdict_html(_verdict(row)) for _, row in rows[rows["exercise"] != ""].iterrows())
-    summary = (f"Lesson {lesson}: " if lesson else "") + _feedback_score(rows)
+    verdicts = "".join(verdict_html(_verdict(row)) for _index, row in rows[rows["exercise"] != ""].iterrows())
+    score = _feedback_score(rows)
+    summary = _("Lesson {lesson}: {score}").format(lesson=lesson, score=score) if lesson else score[:1].upper() + score[1:]
     return _FEEDBACK.format(
-        name=html.escape(submission),
-        summary=html.escape(summary[0].upper() + summary[1:]),
+        lang=_html_lang(),
+        heading=_("Feedback: {name}").format(name=html.escape(submission)),
+        summary=html.escape(summary),
         verdicts=f'<div class="course-scoreboard">{verdicts}</div>' if verdicts else "",
+        note=_("Each line is what the course's check said about your exercise, as its check cell shows it in your notebook."),
     )
 
 
@@ -452,15 +493,15 @@ def write_feedback(table, folder: Path) -> list[Path]:
 
 
 _FEEDBACK = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>Feedback: {name}</title>
+<html lang="{lang}"><head><meta charset="utf-8"><title>{heading}</title>
 <style>
 body {{ font: 15px system-ui, sans-serif; max-width: 48em; margin: 2em auto; padding: 0 1em; }}
 .course-verdict {{ margin: 0.3em 0; }}
 </style></head>
 <body>
-<h1>Feedback: {name}</h1>
+<h1>{heading}</h1>
 <p>{summary}</p>
 {verdicts}
-<p>Each line is what the course's check said about your exercise, as its check cell shows it in your notebook.</p>
+<p>{note}</p>
 </body></html>
 """

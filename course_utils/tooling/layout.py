@@ -12,11 +12,23 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from course_utils.tooling.language import _
+
 LESSON_FILE = re.compile(r"^(\d\d)_\w+\.ipynb$")
 
 
 class CourseError(Exception):
     """A problem the learner can fix, said in one line (the command line prints it without a traceback)."""
+
+
+class NotebookUnreadable(CourseError):
+    """A file that is not a readable notebook. Its message names the file; `problem` says the same of "the file"
+    (for a gradebook row, which names the submission already); `kind` is what is wrong, for code to read:
+    missing, unreadable, not utf-8, empty, truncated or no cells."""
+
+    def __init__(self, message: str, problem: str, kind: str):
+        super().__init__(message)
+        self.problem, self.kind = problem, kind
 
 
 @dataclass(frozen=True)
@@ -84,7 +96,7 @@ def lesson_number(text: str) -> str:
     """'1', '01' or '01_tensors' -> '01'; a CourseError for anything else."""
     match = re.fullmatch(r"([0-9]{1,2})(_\w*)?", text.strip(), flags=re.ASCII)
     if not match:
-        raise CourseError(f"{text!r} is not a lesson: give a number such as 01")
+        raise CourseError(_("{text!r} is not a lesson: give a number such as 01").format(text=text))
     return f"{int(match.group(1)):02d}"
 
 
@@ -101,7 +113,7 @@ def source_for(lesson: str) -> Path:
         if source.name.startswith(f"{number}_"):
             return source
     known = ", ".join(s.name[:2] for s in source_notebooks())
-    raise CourseError(f"there is no lesson {number}: the lessons are {known}")
+    raise CourseError(_("there is no lesson {number}: the lessons are {lessons}").format(number=number, lessons=known))
 
 
 def shown(path: Path) -> str:
@@ -118,19 +130,25 @@ def read_notebook_json(path: Path) -> dict:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise CourseError(f"{name} does not exist") from None
+        raise NotebookUnreadable(_("{name} does not exist").format(name=name), _("the file does not exist"), "missing") from None
     except OSError as err:
-        raise CourseError(f"{name} cannot be read: {err.strerror}") from None
+        raise NotebookUnreadable(_("{name} cannot be read: {error}").format(name=name, error=err.strerror),
+                                 _("the file cannot be read: {error}").format(error=err.strerror), "unreadable") from None
     except UnicodeDecodeError:
-        raise CourseError(f"{name} is not a notebook (not UTF-8 text)") from None
+        raise NotebookUnreadable(_("{name} is not a notebook (not UTF-8 text)").format(name=name),
+                                 _("the file is not a notebook (not UTF-8 text)"), "not utf-8") from None
     if not text.strip():
-        raise CourseError(f"{name} is empty")
+        raise NotebookUnreadable(_("{name} is empty").format(name=name), _("the file is empty"), "empty")
     try:
         nb = json.loads(text)
     except json.JSONDecodeError as err:
-        raise CourseError(f"{name} is not a readable notebook: its JSON breaks off at line {err.lineno} (truncated?)") from None
+        raise NotebookUnreadable(
+            _("{name} is not a readable notebook: its JSON breaks off at line {line} (truncated?)").format(name=name, line=err.lineno),
+            _("the file is not a readable notebook: its JSON breaks off at line {line} (truncated?)").format(line=err.lineno),
+            "truncated") from None
     if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
-        raise CourseError(f"{name} is not a notebook (no list of cells)")
+        raise NotebookUnreadable(_("{name} is not a notebook (no list of cells)").format(name=name),
+                                 _("the file is not a notebook (no list of cells)"), "no cells")
     return nb
 
 

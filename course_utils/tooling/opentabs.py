@@ -15,6 +15,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from course_utils.tooling.language import _
 from course_utils.tooling.layout import CourseError, shown
 
 ASK_SECONDS = 2.0
@@ -100,8 +101,8 @@ def ask(notebook: Path, folder: Path | None = None) -> Answer:
 
 def reload_advice(notebook: Path, command: str) -> str:
     """What to do in a tab that may still show the notebook as it was."""
-    return (f"if {shown(notebook)} is open in JupyterLab, use File → Reload Notebook from Disk in its tab (or close it "
-            f"without saving): saving that tab would undo this {command}")
+    return _("if {notebook} is open in JupyterLab, use File → Reload Notebook from Disk in its tab (or close it "
+             "without saving): saving that tab would undo this {command}").format(notebook=shown(notebook), command=command)
 
 
 class TabGuard:
@@ -117,7 +118,8 @@ class TabGuard:
     def __call__(self, notebook: Path) -> None:
         answer = ask(notebook, self.folder)
         if answer.open_in and not self.force:
-            raise CourseError(f"{shown(notebook)} is open in JupyterLab ({answer.open_in[0]}): close its tab, then run "
-                              f"`{self.command}` again; or run it with --force, then use File → Reload Notebook from Disk in that tab")
+            raise CourseError(_("{notebook} is open in JupyterLab ({url}): close its tab, then run "
+                                "`{command}` again; or run it with --force, then use File → Reload Notebook from Disk in that tab").format(
+                notebook=shown(notebook), url=answer.open_in[0], command=self.command))
         if answer.open_in or answer.unknown:
             self.advice = reload_advice(notebook, self.command.split()[0])

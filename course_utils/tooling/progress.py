@@ -92,9 +92,9 @@ def parse_records(data: bytes) -> tuple[dict, str | None]:
     try:
         records = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
-        return {}, "empty" if not data.strip() else "not JSON"
+        return {}, N_("empty") if not data.strip() else N_("not JSON")  # translated where they are said (set_aside)
     if not _well_formed(records):
-        return {}, 'not of the form {lesson: {exercise: {"status": ...}}}'
+        return {}, N_('not of the form {lesson: {exercise: {"status": ...}}}')
     return records, None
 
 
@@ -118,10 +118,12 @@ def set_aside(path: Path, problem: str) -> Path | None:
     except FileNotFoundError:  # another kernel set it aside first
         return None
     except OSError as err:
-        print(f"{shown(path)} is {problem} and could not be set aside ({err.strerror}): delete it", file=sys.stderr)
+        print(_("{path} is {problem} and could not be set aside ({error}): delete it").format(
+            path=shown(path), problem=_(problem), error=err.strerror), file=sys.stderr)
         return None
-    print(f"{shown(path)} was {problem}, so it was set aside as {kept.name}; progress is recorded afresh "
-          "(`python -m course_utils progress --recheck` rebuilds it)", file=sys.stderr)
+    print(_("{path} was {problem}, so it was set aside as {kept}; progress is recorded afresh "
+            "(`python -m course_utils progress --recheck` rebuilds it)").format(path=shown(path), problem=_(problem), kept=kept.name),
+          file=sys.stderr)
     return kept
 
 
@@ -177,7 +179,7 @@ def newer_in_notebook(folder: Path, lesson: str, verdicts: list[Verdict], saved:
 
 def unsaved_message(lesson: str) -> str:
     """The one line for a saved file that is behind its notebook."""
-    return f"lesson {lesson} has changes newer than the saved file: save it (Ctrl-S) and check again"
+    return _("lesson {lesson} has changes newer than the saved file: save it (Ctrl-S) and check again").format(lesson=lesson)
 
 
 def forget(folder: Path, lesson: str) -> None:
@@ -257,8 +259,9 @@ def other_lesson(path: Path, nb: dict) -> str | None:
 def wrong_lesson_message(path: Path, held: str) -> str:
     """One line: the notebook holds another lesson than its name says, so it is neither checked nor recorded as its name's."""
     named = lesson_of_path(path)
-    return (f"{shown(path)} holds lesson {held}, not {named}: it is not checked as lesson {named} and nothing is recorded "
-            f"for it; rename it, or `python -m course_utils reset {named}` for a fresh lesson {named} (yours is kept as a backup)")
+    return _("{path} holds lesson {held}, not {named}: it is not checked as lesson {named} and nothing is recorded "
+             "for it; rename it, or `python -m course_utils reset {named}` for a fresh lesson {named} (yours is kept as a backup)").format(
+        path=shown(path), held=held, named=named)
 
 
 def wrong_lesson_problem(path: Path) -> str | None:

@@ -510,7 +510,8 @@ def status() -> list[str]:
         for entry in entries:
             if entry.obsolete:
                 continue
-            if not entry.msgstr or "fuzzy" in entry.flags:
-                state = "fuzzy" if entry.msgstr else "untranslated"
+            translated = any(entry.msgstr_plural.values()) if entry.msgid_plural else bool(entry.msgstr)
+            if not translated or "fuzzy" in entry.flags:
+                state = "fuzzy" if translated else "untranslated"
                 left.append(f"course_utils message ({state}): {entry.msgid[:80]}")
     return left

@@ -23,7 +23,7 @@ from course_utils.tooling.layout import (
     CourseError, backups_dir, edition_learner_path, read_notebook_json, shown, source_for, source_notebooks, work_dir, work_path,
     write_atomic,
 )
-from course_utils.tooling.language import current as current_language
+from course_utils.tooling.language import _, current as current_language
 from course_utils.tooling.progress import forget
 
 BACKUP_INDEX = ".backups.json"  # when each backup was made and by which command
@@ -129,13 +129,15 @@ def _is_notebook(path: Path) -> bool:
 
 def _backup_failed(path: Path, err: OSError) -> str:
     """One line: why the backup of path failed, that nothing was replaced, and what to do."""
+    where = {"path": shown(path), "folder": shown(backups_dir())}
     if err.errno == errno.ENOSPC:
-        why, fix = "the disk is full", "free some disk space"
-    elif isinstance(err, IncompleteBackup):
-        why, fix = "the copy read back incomplete", "check that the disk has space"
-    else:
-        why, fix = f"{err.strerror or err}", "check that the folder is writable and the disk has space"
-    return f"could not back up {shown(path)} to {shown(backups_dir())}: {why}; nothing was replaced: {fix}, then run the command again"
+        return _("could not back up {path} to {folder}: the disk is full; nothing was replaced: "
+                 "free some disk space, then run the command again").format(**where)
+    if isinstance(err, IncompleteBackup):
+        return _("could not back up {path} to {folder}: the copy read back incomplete; nothing was replaced: "
+                 "check that the disk has space, then run the command again").format(**where)
+    return _("could not back up {path} to {folder}: {error}; nothing was replaced: "
+             "check that the folder is writable and the disk has space, then run the command again").format(error=err.strerror or err, **where)
 
 
 def reset(lesson: str, guard: Callable[[Path], None] | None = None) -> tuple[Path, Path | None]:
@@ -194,24 +196,27 @@ def backup_listing(lesson: str) -> str:
     backups = backups_of(lesson)
     number = source_for(lesson).name[:2]
     if not backups:
-        return f"lesson {number} has no backups"
+        return _("lesson {lesson} has no backups").format(lesson=number)
     index = backup_index()
     rows = []
     for b in backups:
         note = index.get(b.name, {})
         counted = passed_in(b)
-        rows.append((b.name, str(note.get("made") or _stamp_time(b)), f"by {note.get('made_by') or '(not noted)'}",
-                     f"{counted[0]} of {counted[1]} exercises passed" if counted else "not a readable notebook"))
+        made_by = note.get("made_by")
+        rows.append((b.name, str(note.get("made") or _stamp_time(b)),
+                     _("by {command}").format(command=made_by) if made_by else _("by (not noted)"),
+                     _("{passed} of {total} exercises passed").format(passed=counted[0], total=counted[1]) if counted
+                     else _("not a readable notebook")))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = [f"lesson {number}'s backups in {shown(backups_dir())}, oldest first "
-             f"(`python -m course_utils restore {number} NAME` brings one back):"]
+    lines = [_("lesson {lesson}'s backups in {folder}, oldest first "
+               "(`python -m course_utils restore {lesson} NAME` brings one back):").format(lesson=number, folder=shown(backups_dir()))]
     lines += ["  " + "  ".join(f"{cell:{w}}" for cell, w in zip(r[:3], widths)) + f"  {r[3]}" for r in rows]
     return "\n".join(lines)
 
 
 def _stamp_time(path: Path) -> str:
     """'2026-11-23 10:15:00' from NN_topic.20261123-101500.ipynb."""
-    stamp, _ = _backup_order(path)
+    stamp, _order = _backup_order(path)
     return f"{stamp[:4]}-{stamp[4:6]}-{stamp[6:8]} {stamp[9:11]}:{stamp[11:13]}:{stamp[13:15]}" if stamp else "?"
 
 
@@ -228,14 +233,14 @@ def restore(lesson: str, name: str | None = None, guard: Callable[[Path], None] 
     """
     backups = backups_of(lesson)
     if not backups:
-        raise CourseError(f"lesson {source_for(lesson).name[:2]} has no backups in {backups_dir()}")
+        raise CourseError(_("lesson {lesson} has no backups in {folder}").format(lesson=source_for(lesson).name[:2], folder=backups_dir()))
     if name is None:
         chosen = backups[-1]
     else:
         matches = [b for b in backups if b.name == name or b.name == f"{name}.ipynb"]
         if not matches:
             listing = ", ".join(b.name for b in backups)
-            raise CourseError(f"no backup named {name!r}; the backups of this lesson are: {listing}")
+            raise CourseError(_("no backup named {name!r}; the backups of this lesson are: {backups}").format(name=name, backups=listing))
         chosen = matches[0]
     _refuse_unreadable(chosen, lesson)
     target = work_path(source_for(lesson))
@@ -253,5 +258,5 @@ def _refuse_unreadable(chosen: Path, lesson: str) -> None:
     try:
         read_notebook_json(chosen)
     except CourseError as err:
-        raise CourseError(f"{err}; it was not restored: pick another with "
-                          f"`python -m course_utils restore {source_for(lesson).name[:2]} --list`") from None
+        raise CourseError(_("{problem}; it was not restored: pick another with `python -m course_utils restore {lesson} --list`").format(
+            problem=err, lesson=source_for(lesson).name[:2])) from None
