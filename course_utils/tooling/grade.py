@@ -45,6 +45,7 @@ from course_utils.tooling.gradebook import COLUMNS, STATUSES, format_summary, ht
 from course_utils.tooling.language import N_, _
 from course_utils.tooling.layout import CourseError, NotebookUnreadable, exercises, lesson_of, read_notebook_json, root, source_for
 from course_utils.tooling.runner import become_subreaper, guarded, kill_descendants, not_dumpable, read_all
+from course_utils.tooling.verdicts import CHECK_MISSING, DID_NOT_RUN
 
 SUBMISSION_TIMEOUT = 900  # seconds for a whole submission, on top of the checker's limits per cell
 KERNEL_START = 60  # nbval's default limit for a kernel to start; a retry doubles it
@@ -132,9 +133,9 @@ def _status(verdict: dict) -> tuple[str, str]:
         return "pass", ""
     if status == "not attempted":
         return "not attempted", reason
-    if status == "failed" and reason.startswith("check cell missing"):
+    if status == "failed" and reason.startswith((CHECK_MISSING, _(CHECK_MISSING))):
         return "missing", reason
-    if status == "not run" and reason == "the check cell did not run":
+    if status == "not run" and reason in (DID_NOT_RUN, _(DID_NOT_RUN)):
         return "failed", _("its check cell did not run")
     return "failed", reason  # failed, or not run after an earlier cell failed, hung or killed the kernel
 

@@ -44,8 +44,8 @@ import pytest
 
 from course_utils.tooling import leftovers
 from course_utils.tooling.cellruns import PREFIX as CELL_FAILED, message_from_output
-from course_utils.tooling.language import normalise
-from course_utils.tooling.verdicts import SYMBOL
+from course_utils.tooling.language import _, normalise
+from course_utils.tooling.verdicts import CHECK_MISSING, DID_NOT_RUN, SYMBOL
 from course_utils.tooling.layout import CourseError, exercises, lesson_of
 from course_utils.tooling.runner import not_dumpable
 from course_utils.tooling.tamper import NO_VERDICT, RECORD_MIME, FORGE
@@ -270,13 +270,17 @@ class MissingCheck(pytest.Item):
         return self.path, 0, f"{self.parent.name}::{self.name}"
 
 
+# The checker's own notes are in the language of the process that runs it: the learner's choice for `check`,
+# English under make test and in the grader's sandbox (whose environment is cleared).
 def _missing_reason(exercise: str, check_source: str) -> str:
-    return f"check cell missing: put the cell `{check_source}` back below your {exercise}"
+    return _("{check_missing}: put the cell `{check_source}` back below your {exercise}").format(
+        check_missing=_(CHECK_MISSING), check_source=check_source, exercise=exercise)
 
 
 def _new_exercise_reason(lesson: str) -> str:
-    return (f"check cell missing: your notebook is an earlier version of lesson {lesson}, and this exercise is new; "
-            f"`python -m course_utils reset {lesson}` gives you the new version and keeps yours as a backup")
+    return _("{check_missing}: your notebook is an earlier version of lesson {lesson}, and this exercise is new; "
+             "`python -m course_utils reset {lesson}` gives you the new version and keeps yours as a backup").format(
+        check_missing=_(CHECK_MISSING), lesson=lesson)
 
 
 def _notebook(item: pytest.Item) -> dict:
@@ -311,7 +315,7 @@ def _prepare_notebook(nbfile, cells: list[pytest.Item]) -> list[pytest.Item]:
     record = _notebook(cells[0])
     record["lesson"] = lesson
     for ex in course:  # the scoreboard lists the lesson's exercises in the course's order
-        record["exercises"][ex.name] = {"status": "not run", "reason": "the check cell did not run"}
+        record["exercises"][ex.name] = {"status": "not run", "reason": _(DID_NOT_RUN)}
     canonical = {ex.check_source: ex.name for ex in course}
     known = {ex.name for ex in course}
     seen, outdated = set(), set()
@@ -330,7 +334,7 @@ def _prepare_notebook(nbfile, cells: list[pytest.Item]) -> list[pytest.Item]:
             item.course_exercise = item.course_check = check
             _rename(item, f"check {check}")
             _course_options(item)
-            record["exercises"].setdefault(check, {"status": "not run", "reason": "the check cell did not run"})
+            record["exercises"].setdefault(check, {"status": "not run", "reason": _(DID_NOT_RUN)})
             if check in known:
                 item.course_nonce = secrets.token_hex(16)
                 item.cell.source = verdict_source(lesson, check, item.course_nonce)
@@ -459,8 +463,9 @@ def _interrupted(item: pytest.Item, call: pytest.CallInfo) -> str | None:
         return str(call.excinfo.value)
     if call.excinfo is not None and "Timeout of" in str(call.excinfo.value):
         alive = item.parent.kernel is not None and item.parent.kernel.is_alive()
-        limit = f"took longer than {_limit(item):g} s"
-        return f"{limit}: an endless loop?" if alive else f"{limit} and could not be interrupted, so the kernel was stopped"
+        if alive:
+            return _("took longer than {seconds:g} s: an endless loop?").format(seconds=_limit(item))
+        return _("took longer than {seconds:g} s and could not be interrupted, so the kernel was stopped").format(seconds=_limit(item))
     return None
 
 
@@ -585,7 +590,7 @@ def _stop_notebook(item: pytest.Item, why: str) -> None:
     _notebook(item)["stopped_at"] = why
     for verdict in _results(item).values():
         if verdict["status"] == "not run":
-            verdict["reason"] = f"not run: the checker stopped at {why}"
+            verdict["reason"] = _("not run: the checker stopped at {why}").format(why=why)
 
 
 def scoreboard_lines(results: dict[str, dict]) -> list[str]:
@@ -601,14 +606,16 @@ def scoreboard_lines(results: dict[str, dict]) -> list[str]:
         for name, verdict in exercises_.items():
             counts[verdict["status"]] = counts.get(verdict["status"], 0) + 1
             lines.append(f"  {SYMBOL[verdict['status']]}  {name:{width}}  {verdict['reason']}".rstrip())
-        total = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("passed", "not attempted", "failed"))
-        extra = f", {counts['not run']} not run" if counts.get("not run") else ""
-        lines.append(f"  {len(exercises_)} exercises: {total}{extra}")
+        total = _("{total} exercises: {passed} passed, {not_attempted} not attempted, {failed} failed").format(
+            total=len(exercises_), passed=counts.get("passed", 0), not_attempted=counts.get("not attempted", 0),
+            failed=counts.get("failed", 0))
+        extra = _(", {n} not run").format(n=counts["not run"]) if counts.get("not run") else ""
+        lines.append(f"  {total}{extra}")
         if result["stopped_at"]:
-            lines.append(f"  stopped early at {result['stopped_at']}; the cells after it did not run")
+            lines.append("  " + _("stopped early at {where}; the cells after it did not run").format(where=result["stopped_at"]))
         if result.get("error"):
-            lines.append(f"  the checker failed, not your notebook: {result['error']}; run the check again")
-        lines += [f"  needs review: {route}" for route in result.get("review", [])]
+            lines.append("  " + _("the checker failed, not your notebook: {error}; run the check again").format(error=result["error"]))
+        lines += ["  " + _("needs review: {route}").format(route=route) for route in result.get("review", [])]
     return lines
 
 

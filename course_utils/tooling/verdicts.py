@@ -9,9 +9,13 @@ import os
 import sys
 from dataclasses import dataclass
 
-from course_utils.tooling.language import _
+from course_utils.tooling.language import N_, _
 
 SYMBOL = {"passed": "PASS", "not attempted": "TODO", "failed": "FAIL", "not run": "----"}
+# How the checker's plugin words a check cell that is missing or did not run; the grader tells them by these, in
+# English or in the language the checker ran in.
+CHECK_MISSING = N_("check cell missing")
+DID_NOT_RUN = N_("the check cell did not run")
 
 
 @dataclass(frozen=True)
