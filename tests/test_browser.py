@@ -27,12 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "build" / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ALL_SOURCES = sorted((ROOT / "notebooks" / "solutions").glob("[0-9][0-9]_*.ipynb"))
-# What the browser adds to Run All is JupyterLab's front end, the same for every lesson, so one lesson shows it: 01,
-# whose screenshot is kept. Lesson 00 is opened in the browser by test_the_printed_url_opens_lesson_00 and run as
-# Run All does, in a plain kernel, by tests/test_notebooks.py::test_run_all_of_an_untouched_learner_copy_runs_every_cell
-# (which runs the untouched learner copies of 00 and 11 only). COURSE_BROWSER_LESSONS="all" (or "05 09") runs
-# others through the UI too.
-BROWSER_LESSONS = os.environ.get("COURSE_BROWSER_LESSONS", "01").split()
+# What the browser adds to Run All is JupyterLab's front end, the same for every lesson and edition, so one lesson shows
+# it: the Chinese edition's lesson 00 (test_run_all_of_a_chinese_lesson_shows_its_verdicts_in_chinese), whose kernel
+# must also learn its notebook's language from Jupyter Server; its screenshot is kept. The English lesson 00 is opened in
+# the browser by test_the_printed_url_opens_lesson_00 and worked through by test_a_broken_cell_unsaved_work_and_a_reset_
+# beside_the_open_tab, and run as Run All does, in a plain kernel, by tests/test_notebooks.py (00 and 11, and the Chinese
+# 00). COURSE_BROWSER_LESSONS="all" (or "01 05") runs English lessons through the UI too.
+BROWSER_LESSONS = os.environ.get("COURSE_BROWSER_LESSONS", "").split()
 SOURCES = [s for s in ALL_SOURCES if "all" in BROWSER_LESSONS or s.name[:2] in BROWSER_LESSONS]
 
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
@@ -171,9 +172,9 @@ def run_all(lab, name: str, stem: str):
         scoreboards = page.locator(".course-scoreboard").all_inner_texts()
         errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").all_inner_texts()
         tracebacks = page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.error']").count()
-        if name.startswith("01_"):
+        if stem == "zh-00":
             page.locator(".course-verdict").first.scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "jupyterlab-lesson01-learner.png"))
+            page.screenshot(path=str(ARTIFACTS / "jupyterlab-lesson00-zh-learner.png"))
         page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
         page.locator(".lm-Menu-itemLabel", has_text="Shut Down Kernel").first.click()
     except Exception:

@@ -144,7 +144,7 @@ def _plain_env() -> dict:
 # test_learner_copies_fail_only_their_check_cells runs every learner copy, and test_no_demo_cell_calls_an_exercise
 # shows no demo depends on a learner's answer. What stays is how a check cell behaves in JupyterLab, the same
 # code in every lesson: run here on the first lesson and on the capstone, whose exercises are files;
-# tests/test_browser.py does it in a real JupyterLab for 01. (Lesson 09's script check, the other one that
+# tests/test_browser.py does it in a real JupyterLab for the Chinese 00. (Lesson 09's script check, the other one that
 # starts processes, tells its untouched skeleton without starting any: checks.untouched_script.)
 # The demos run as the checker runs them (COURSE_CHECK_MODE: fewer epochs, figures not drawn), since what is
 # tested is the check cells' JupyterLab side, which COURSE_CHECKER, left unset, decides; strict nbval runs

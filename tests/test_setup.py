@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make on
 
 
 def make(*args: str, venv: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    # make test runs with COURSE_LANG=en, which make would take for `make lab COURSE_LANG=en`
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE") and k != "COURSE_LANG"}
     return subprocess.run(["make", "--no-print-directory", f"VENV={venv}", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=60, env=env)
 
@@ -75,6 +76,19 @@ def test_later_runs_install_nothing(tmp_path):
     assert run.returncode == 0, run.stderr
     assert not pip_lines(run.stdout) and "Installing" not in run.stdout
     assert re.search(r"-m course_utils lab\s*$", run.stdout)
+
+
+def test_make_lab_passes_the_courses_language_on_and_never_reads_lang(tmp_path):
+    venv = tmp_path / "v"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(shutil.which("python3") or "/usr/bin/python3")
+    (venv / ".torch").write_text("cpu\n")
+    stamp = venv / ".installed"
+    stamp.touch()
+    later = time.time() + 60
+    os.utime(stamp, (later, later))
+    assert re.search(r"-m course_utils lab --lang zh\s*$", make("-n", "lab", "COURSE_LANG=zh", venv=venv).stdout)
+    assert re.search(r"-m course_utils lab\s*$", make("-n", "lab", "LANG=zh_CN.UTF-8", venv=venv).stdout)
 
 
 def test_another_build_than_the_venvs_needs_a_clean_venv_and_an_unknown_one_is_refused(tmp_path):

@@ -189,3 +189,10 @@ def test_no_figure_of_the_chinese_edition_lacks_a_glyph(source):
     solution, _ = _edition(source)
     said = [o.get("text", "") for c in _read(solution).cells if c.cell_type == "code" for o in c.outputs if o.get("output_type") == "stream"]
     assert not [t for t in said if re.search(r"Glyph \d+ .*missing from font", t)]
+
+
+def test_a_quoted_verdict_line_may_follow_the_edition_only_when_flagged():
+    english, chinese = "**PASS** `add_one: all checks passed`;", "**PASS** `add_one: 全部检查通过`；"
+    assert translations.entry_problems(english, chinese)[0].startswith("code changed")
+    assert translations.entry_problems(english, chinese, ["course-output"]) == []
+    assert translations.entry_problems("see [docs](https://a.b)", "见[文档](https://c.d)", ["course-output"])  # links still kept

@@ -18,9 +18,10 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
+from course_utils.tooling.language import LOCALES
 from course_utils.tooling.layout import EDITION_FOLDERS, root, source_notebooks, write_atomic
 
-LANGUAGES = {"zh": "zh_CN"}  # the course's language code -> the gettext locale of its catalogs
+LANGUAGES = LOCALES  # the course's language code -> the gettext locale of its catalogs
 FENCE = re.compile(r"^\s*(```|~~~)")
 HEADING = re.compile(r"^(\s*#{1,6}\s+)(.*)$")
 LIST_ITEM = re.compile(r"^(\s*(?:[-*+]|\d+[.)])\s+)(.*)$")
@@ -44,7 +45,7 @@ def _prose(text: str) -> bool:
 
 
 def markdown_pieces(source: str) -> list[str | Unit]:
-    """A markdown cell as literal lines (str, each ending in '\\n' but the last) and Units, in order."""
+    """A markdown cell as literal lines (str) and Units, in order; joined with newlines, they give the cell back."""
     pieces: list[str | Unit] = []
     lines = source.split("\n")
     fenced = False
@@ -392,13 +393,20 @@ def kept(text: str) -> dict[str, list[str]]:
     }
 
 
-def entry_problems(msgid: str, msgstr: str) -> list[str]:
+# A translator's flag on an entry that quotes the course's own output (a verdict line): its code spans are that
+# output as this edition prints it, so they are translated like the messages themselves.
+COURSE_OUTPUT = "course-output"
+
+
+def entry_problems(msgid: str, msgstr: str, flags: list[str] | tuple[str, ...] = ()) -> list[str]:
     """What a translation of msgid changed that it must keep: code spans, links, math, HTML tags, table cells, bold marks."""
     if not msgstr:
         return []
     problems = []
     want, got = kept(msgid), kept(msgstr)
     for kind in want:
+        if kind == "code" and COURSE_OUTPUT in flags:
+            continue
         if want[kind] != got[kind]:
             lost = [x for x in want[kind] if x not in got[kind]]
             added = [x for x in got[kind] if x not in want[kind]]
@@ -416,7 +424,7 @@ def catalog_problems(path: Path) -> list[str]:
 
     found = []
     for entry in polib.pofile(str(path)).translated_entries():
-        for problem in entry_problems(entry.msgid, entry.msgstr):
+        for problem in entry_problems(entry.msgid, entry.msgstr, entry.flags):
             found.append(f"{path.name}: {entry.msgid[:70]!r}: {problem}")
     return found
 
