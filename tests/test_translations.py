@@ -196,3 +196,12 @@ def test_a_quoted_verdict_line_may_follow_the_edition_only_when_flagged():
     assert translations.entry_problems(english, chinese)[0].startswith("code changed")
     assert translations.entry_problems(english, chinese, ["course-output"]) == []
     assert translations.entry_problems("see [docs](https://a.b)", "见[文档](https://c.d)", ["course-output"])  # links still kept
+
+
+def test_the_chinese_readme_links_to_files_that_exist_and_the_readmes_link_each_other():
+    text = (root() / "README.zh-CN.md").read_text(encoding="utf-8")
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if not t.startswith(("http", "#"))]
+    assert targets and not [t for t in targets if not (root() / t).exists()]
+    assert [f"notebooks/zh-CN/{s.name}" for s in SOURCES] == [t for t in targets if t.startswith("notebooks/zh-CN/")]
+    assert "[English](README.md)" in text.splitlines()[2]
+    assert "[简体中文](README.zh-CN.md)" in (root() / "README.md").read_text(encoding="utf-8").splitlines()[2]
