@@ -63,22 +63,8 @@ def test_the_pins_admit_the_cpu_wheels_local_version():
         assert SpecifierSet(f"=={pins[name]}").contains(f"{pins[name]}+cpu")
 
 
-def test_later_runs_install_nothing(tmp_path):
-    venv = tmp_path / "v"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(shutil.which("python3") or "/usr/bin/python3")
-    (venv / ".torch").write_text("cpu\n")
-    stamp = venv / ".installed"
-    stamp.touch()
-    later = time.time() + 60
-    os.utime(stamp, (later, later))  # newer than pyproject.toml and constraints.txt
-    run = make("-n", "lab", venv=venv)
-    assert run.returncode == 0, run.stderr
-    assert not pip_lines(run.stdout) and "Installing" not in run.stdout
-    assert re.search(r"-m course_utils lab\s*$", run.stdout)
-
-
-def test_make_lab_passes_the_courses_language_on_and_never_reads_lang(tmp_path):
+def set_up_venv(tmp_path) -> Path:
+    """A .venv whose set-up is done: its stamp newer than pyproject.toml and constraints.txt."""
     venv = tmp_path / "v"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(shutil.which("python3") or "/usr/bin/python3")
@@ -87,6 +73,19 @@ def test_make_lab_passes_the_courses_language_on_and_never_reads_lang(tmp_path):
     stamp.touch()
     later = time.time() + 60
     os.utime(stamp, (later, later))
+    return venv
+
+
+def test_later_runs_install_nothing(tmp_path):
+    venv = set_up_venv(tmp_path)
+    run = make("-n", "lab", venv=venv)
+    assert run.returncode == 0, run.stderr
+    assert not pip_lines(run.stdout) and "Installing" not in run.stdout
+    assert re.search(r"-m course_utils lab\s*$", run.stdout)
+
+
+def test_make_lab_passes_the_courses_language_on_and_never_reads_lang(tmp_path):
+    venv = set_up_venv(tmp_path)
     assert re.search(r"-m course_utils lab --lang zh\s*$", make("-n", "lab", "COURSE_LANG=zh", venv=venv).stdout)
     assert re.search(r"-m course_utils lab\s*$", make("-n", "lab", "LANG=zh_CN.UTF-8", venv=venv).stdout)
 

@@ -48,14 +48,6 @@ def prefixes() -> tuple[str, ...]:
     return tuple(found)
 
 
-def __getattr__(name: str) -> Any:
-    """PREFIX: prefixes() as a tuple for str.startswith, read from the catalogs only when the checker's plugin asks for it
-    (a kernel that loads this module for its cells never does)."""
-    if name == "PREFIX":
-        return prefixes()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 @dataclass(frozen=True)
 class CellFailure:
     """A cell that defines `name` raised `error` at `line` of the cell (None when unknown) the last time it ran."""

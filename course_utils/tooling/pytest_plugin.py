@@ -43,7 +43,7 @@ from queue import Empty
 import pytest
 
 from course_utils.tooling import leftovers
-from course_utils.tooling.cellruns import PREFIX as CELL_FAILED, message_from_output
+from course_utils.tooling.cellruns import message_from_output, prefixes as cell_failed_prefixes
 from course_utils.tooling.language import _, normalise
 from course_utils.tooling.verdicts import CHECK_MISSING, DID_NOT_RUN, SYMBOL
 from course_utils.tooling.layout import CourseError, exercises, lesson_of
@@ -512,7 +512,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             previous = results.get(exercise, {})
             # The check of a cell that raised names that cell (cellruns, in the kernel); a check that could not
             # tell (the extension not loaded) would judge what the kernel had before: the cell's error says more.
-            told = status == "failed" and reason.startswith(CELL_FAILED)
+            told = status == "failed" and reason.startswith(cell_failed_prefixes())
             if previous.get("status") == "failed" and previous.get("from_code") and not stopped and not told:
                 status, reason = "failed", previous["reason"]
             results[exercise] = {"status": status, "reason": reason}

@@ -360,10 +360,8 @@ def build(lang: str, sources: list[Path] | None = None, *, run: bool = False) ->
         stale = keep_outputs(nb, previous)
         _point_badges(nb, f"/notebooks/{EDITION_FOLDERS[lang]}/solutions/")
         if run:
-            from course_utils.tooling.build import execute
-
             with english._environment(COURSE_LANG=lang):
-                execute(nb, source)
+                english.execute(nb, source)
         elif stale and previous is not None:
             print(f"{target.name}: code changed in cells {', '.join(map(str, stale))}: run `python -m course_utils build --execute --lang {lang}`")
         write_atomic(target, nbformat.writes(nb) + "\n")
@@ -484,11 +482,6 @@ def update_messages(lang: str, check: bool = False) -> int:
         catalog.update(messages, update_creation_date=False)
         changed = write_catalog(catalog, po, dry_run=check)
         return int(check and changed)
-
-
-def compile_messages() -> int:
-    """`pybabel compile`: each language's .po to the .mo that gettext reads (fuzzy entries left out)."""
-    return pybabel("compile", "-d", str(messages_dir()), "-D", MESSAGES_DOMAIN)
 
 
 def messages_path(lang: str) -> Path:
